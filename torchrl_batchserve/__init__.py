@@ -1,0 +1,38 @@
+"""torchrl_batchserve: an auto-batching policy server for TorchRL.
+
+Many actors (threads, asyncio tasks) each ask a policy for one TensorDict at a
+time; one :class:`BatchedPolicyServer` gathers their requests into batches,
+runs one forward on the policy's device and hands every actor its own rows.
+"""
+
+from torchrl_batchserve.collate import Collate, FunctionCollate, StackCollate
+from torchrl_batchserve.errors import (
+    BadRequestError,
+    BatchServeError,
+    QueueFullError,
+    ServerBrokenError,
+    ServerClosedError,
+    WeightSyncError,
+)
+from torchrl_batchserve.queue import FireReason
+from torchrl_batchserve.remote import RemotePolicy
+from torchrl_batchserve.server import BatchedPolicyServer
+from torchrl_batchserve.stats import ServerStatistics
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BadRequestError",
+    "BatchServeError",
+    "BatchedPolicyServer",
+    "Collate",
+    "FireReason",
+    "FunctionCollate",
+    "QueueFullError",
+    "RemotePolicy",
+    "ServerBrokenError",
+    "ServerClosedError",
+    "ServerStatistics",
+    "StackCollate",
+    "WeightSyncError",
+]

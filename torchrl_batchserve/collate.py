@@ -1,0 +1,226 @@
+"""Collate transforms: how requests become one batch, and the output goes back.
+
+A collate is any object with two methods (:class:`Collate`)::
+
+    collate(requests, keys) -> TensorDictBase     # the batch the policy sees
+    split(output, requests, keys) -> columns      # columns[k][i]: key k of request i
+
+and, optionally, ``provided_keys`` (policy in_keys the collate writes itself,
+which requests then need not carry) and ``variable_dims`` (feature dims that
+may differ between requests). :class:`StackCollate` is the default and the fast
+path; :class:`FunctionCollate` adapts a TorchRL-style
+``collate_fn(list[TensorDict]) -> TensorDict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from torchrl_batchserve.request import Request
+
+__all__ = ["Collate", "FunctionCollate", "StackCollate", "as_collate", "split_rows", "split_values"]
+
+
+@runtime_checkable
+class Collate(Protocol):
+    """The collate protocol (see the module docstring)."""
+
+    def collate(self, requests: Sequence[Request], keys: Sequence[Any]) -> TensorDictBase: ...
+
+    def split(
+        self, output: TensorDictBase, requests: Sequence[Request], keys: Sequence[Any]
+    ) -> Sequence[Sequence[Any]]: ...
+
+
+def _all_single(requests: Sequence[Request]) -> bool:
+    for request in requests:
+        if request.batch_shape:
+            return False
+    return True
+
+
+def split_rows(output: TensorDictBase, requests: Sequence[Request], keys: Sequence[Any]) -> list[Sequence[Any]]:
+    """Cut each ``output[key]`` into the rows of each request, shaped like its batch.
+
+    One ``unbind`` per key when every request is a single row; views, no copies.
+    """
+    values = []
+    for key in keys:
+        value = output.get(key, None)
+        if value is None:
+            raise KeyError(f"the policy output has no entry {key!r} (its out_keys promise it)")
+        values.append(value)
+    return split_values(values, requests, keys)
+
+
+def split_values(values: Sequence[Any], requests: Sequence[Request], keys: Sequence[Any]) -> list[Sequence[Any]]:
+    """:func:`split_rows` for values already taken out of the output, one per key."""
+    total = 0
+    for request in requests:
+        total += request.rows
+    single = _all_single(requests)
+    columns: list[Sequence[Any]] = []
+    for key, value in zip(keys, values):
+        if not isinstance(value, torch.Tensor):
+            columns.append(_split_non_tensor(value, requests, total))
+            continue
+        if value.ndim == 0 or value.shape[0] != total:
+            raise RuntimeError(
+                f"the policy output {key!r} has shape {tuple(value.shape)}; "
+                f"its leading dim must be the batch's {total} rows"
+            )
+        if single:
+            columns.append(value.unbind(0))
+            continue
+        column = []
+        for request, chunk in zip(requests, value.split([r.rows for r in requests])):
+            shape = request.batch_shape
+            if not shape:
+                column.append(chunk[0])
+            elif len(shape) == 1:
+                column.append(chunk)
+            else:
+                column.append(chunk.reshape(*shape, *chunk.shape[1:]))
+        columns.append(column)
+    return columns
+
+
+def _split_non_tensor(value: Any, requests: Sequence[Request], total: int) -> list[Any]:
+    items = value.tolist() if hasattr(value, "tolist") else list(value)
+    if len(items) != total:
+        raise RuntimeError(f"a non-tensor output holds {len(items)} items for {total} rows")
+    column, start = [], 0
+    for request in requests:
+        chunk = items[start : start + request.rows]
+        start += request.rows
+        column.append(chunk[0] if not request.batch_shape else chunk)
+    return column
+
+
+class StackCollate:
+    """Stack single-row requests (concatenate multi-row ones) key by key.
+
+    Each key costs one ``torch.stack`` or ``torch.cat`` over the request
+    tensors that validation already extracted; no TensorDict is built per
+    request. With ``pin_memory=True`` the batch is written into page-locked
+    host memory so the copy to a CUDA device can be asynchronous (PyTorch's
+    caching host allocator keeps a block until its copy has completed).
+
+    Keyword Args:
+        pin_memory: stage batches in pinned memory (the server sets it when it
+            serves a CUDA policy from CPU requests).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl_batchserve import BatchedPolicyServer, StackCollate
+        >>> from tensordict.nn import TensorDictModule
+        >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["obs"], out_keys=["act"])
+        >>> with BatchedPolicyServer(policy, collate=StackCollate()) as server:
+        ...     server.remote_policy()(TensorDict(obs=torch.ones(3)))["act"].shape
+        torch.Size([2])
+    """
+
+    provided_keys: frozenset = frozenset()
+    variable_dims: dict = {}
+
+    def __init__(self, *, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory
+
+    def collate(self, requests: Sequence[Request], keys: Sequence[Any]) -> TensorDictBase:
+        total = 0
+        for request in requests:
+            total += request.rows
+        batch = TensorDict(batch_size=[total])
+        for key, value in zip(keys, self.stack(requests, total)):
+            batch.set(key, value)
+        return batch
+
+    def stack(self, requests: Sequence[Request], total: int) -> list[Any]:
+        """The batched value of each key, in the order of the requests' inputs."""
+        single = _all_single(requests)
+        values: list[Any] = []
+        for j in range(len(requests[0].inputs)):
+            tensors = [r.inputs[j] for r in requests]
+            first = tensors[0]
+            if not isinstance(first, torch.Tensor):
+                values.append(_stack_non_tensor(tensors, requests))
+                continue
+            if not single:
+                tensors = [t if r.batch_shape else t.unsqueeze(0) for t, r in zip(tensors, requests)]
+            if self.pin_memory and first.device.type == "cpu":
+                feature = tensors[0].shape if single else tensors[0].shape[1:]
+                out = torch.empty((total, *feature), dtype=first.dtype, pin_memory=True)
+                values.append(torch.stack(tensors, out=out) if single else torch.cat(tensors, out=out))
+            else:
+                values.append(torch.stack(tensors) if single else torch.cat(tensors))
+        return values
+
+    def split(self, output: TensorDictBase, requests: Sequence[Request], keys: Sequence[Any]) -> list[Sequence[Any]]:
+        return split_rows(output, requests, keys)
+
+
+def _stack_non_tensor(items: list[Any], requests: Sequence[Request]) -> Any:
+    from tensordict import NonTensorStack
+
+    flat: list[Any] = []
+    for item, request in zip(items, requests):
+        if request.batch_shape:
+            flat.extend(item.tolist() if hasattr(item, "tolist") else item)
+        else:
+            flat.append(item)
+    return NonTensorStack(*flat)
+
+
+class FunctionCollate:
+    """Adapt a TorchRL-style ``collate_fn(list[TensorDict]) -> TensorDict``.
+
+    The function receives the requests' TensorDicts in arrival order and must
+    return a batch whose leading dim is their total rows; outputs are split
+    back by rows, as with :class:`StackCollate`.
+
+    Args:
+        fn: the collate function, e.g. :func:`tensordict.lazy_stack`.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict, lazy_stack
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl_batchserve import BatchedPolicyServer
+        >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["obs"], out_keys=["act"])
+        >>> with BatchedPolicyServer(policy, collate=lazy_stack) as server:  # wrapped for you
+        ...     server.remote_policy()(TensorDict(obs=torch.ones(3)))["act"].shape
+        torch.Size([2])
+    """
+
+    provided_keys: frozenset = frozenset()
+    variable_dims: dict = {}
+
+    def __init__(self, fn: Callable[[list[TensorDictBase]], TensorDictBase]) -> None:
+        self.fn = fn
+
+    def collate(self, requests: Sequence[Request], keys: Sequence[Any]) -> TensorDictBase:
+        return self.fn([r.td for r in requests])
+
+    def split(self, output: TensorDictBase, requests: Sequence[Request], keys: Sequence[Any]) -> list[Sequence[Any]]:
+        return split_rows(output, requests, keys)
+
+    def __repr__(self) -> str:
+        return f"FunctionCollate({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+def as_collate(collate: Any) -> Any:
+    """Return ``collate`` as a collate object (``None`` gives :class:`StackCollate`)."""
+    if collate is None:
+        return StackCollate()
+    if isinstance(collate, Collate):
+        return collate
+    if callable(collate):
+        return FunctionCollate(collate)
+    raise TypeError(
+        f"collate must be a Collate (collate/split methods) or a callable collate_fn, got {type(collate).__name__}"
+    )

@@ -1,0 +1,50 @@
+"""The errors of torchrl_batchserve.
+
+Every failure a caller can see has its own class, so that ``except`` clauses
+say what they handle::
+
+    BatchServeError
+    ├── ServerClosedError      the server was closed before the request ran
+    ├── ServerBrokenError      the serve loop died; nothing more will be served
+    ├── BadRequestError        this request can never be served (key, shape, dtype, ...)
+    ├── QueueFullError         max_queue_size rows are already waiting
+    └── WeightSyncError        a weight update was rejected; the old weights stay
+
+A policy that raises during a batch is not wrapped: every caller of that batch
+gets the policy's own exception, as from ``policy(batch)``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadRequestError",
+    "BatchServeError",
+    "QueueFullError",
+    "ServerBrokenError",
+    "ServerClosedError",
+    "WeightSyncError",
+]
+
+
+class BatchServeError(Exception):
+    """Root of every error raised by torchrl_batchserve itself."""
+
+
+class ServerClosedError(BatchServeError):
+    """The server is closed: the request was refused, or cancelled by ``close``."""
+
+
+class ServerBrokenError(BatchServeError):
+    """The serve loop died unexpectedly; its cause is chained as ``__cause__``."""
+
+
+class BadRequestError(BatchServeError, ValueError):
+    """A request that cannot be served: it names the key, the rule and the value."""
+
+
+class QueueFullError(BatchServeError):
+    """``max_queue_size`` rows are already queued; retry later or raise the bound."""
+
+
+class WeightSyncError(BatchServeError):
+    """A weight update was rejected; the server keeps serving the previous version."""

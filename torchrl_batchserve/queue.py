@@ -1,0 +1,210 @@
+"""The request queue and the batching rule.
+
+The rule, in :meth:`RequestQueue.take_batch` and nowhere else:
+
+1. ``full``: as soon as ``max_batch_size`` rows are queued, take them;
+2. ``all_waiting``: if every caller the queue knows of is already waiting,
+   waiting longer cannot grow the batch: take what is queued;
+3. ``timeout``: once ``timeout`` seconds have passed since the oldest queued
+   request arrived, take what is queued;
+4. ``closing``: after a graceful ``close``, queued requests run at once.
+
+A caller is *known* once it has been served; it counts as *idle* from the
+moment its result is ready until it submits again. Rule 2 fires when no known
+caller is idle. A caller that does not come back before a batch fires on
+timeout is forgotten, so actors that leave never hold batches back for longer
+than one timeout.
+
+Requests are taken whole and in arrival order; a request is split across
+forwards only when it alone exceeds ``max_batch_size`` (the server does that).
+
+Who runs a batch: one batch runs at a time (the *serving* token, held under
+the queue's lock). When a blocking caller's own request makes the rule fire
+and no batch is running, :meth:`RequestQueue.put` hands that caller the batch
+to run in its own thread: no thread is woken and nothing sleeps on the
+critical path (a wake-up costs tens of microseconds). Otherwise the worker
+runs it; the worker is woken only when a rule may have become true, not per
+request.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from torchrl_batchserve.errors import QueueFullError, ServerBrokenError, ServerClosedError
+from torchrl_batchserve.request import Request
+
+__all__ = ["FireReason", "RequestQueue"]
+
+
+class FireReason(str, enum.Enum):
+    """Why a batch was taken from the queue."""
+
+    FULL = "full"
+    ALL_WAITING = "all_waiting"
+    TIMEOUT = "timeout"
+    CLOSING = "closing"
+
+
+class RequestQueue:
+    """A FIFO of :class:`~torchrl_batchserve.request.Request` with the batching rule.
+
+    Args:
+        max_batch_size: rows that make a batch full.
+        timeout: seconds the oldest request may wait for a fuller batch.
+        max_queue_size: the most rows that may be queued; ``None`` for no bound.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_batchserve.queue import RequestQueue
+        >>> q = RequestQueue(max_batch_size=2, timeout=10.0)
+        >>> class R:  # anything with rows, caller and enqueued_at
+        ...     rows, caller, enqueued_at = 1, None, 0.0
+        >>> q.put(R()); q.put(R()); q.put(R())
+        >>> batch, reason = q.take_batch()
+        >>> len(batch), reason.value
+        (2, 'full')
+        >>> q.done_serving([None])
+    """
+
+    def __init__(self, max_batch_size: int, timeout: float, max_queue_size: int | None = None) -> None:
+        self._max_batch_size = max_batch_size
+        self._timeout = timeout
+        self._max_queue_size = max_queue_size
+        self._cond = threading.Condition(threading.Lock())
+        self._items: deque[Request] = deque()
+        self._rows = 0
+        self._idle: set[Any] = set()
+        self._closed = False
+        self._serving = False
+        self._broken: BaseException | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def put(self, request: Request, may_serve: bool = False) -> tuple[list[Request], FireReason] | None:
+        """Enqueue ``request``, or raise at once if it can never be served.
+
+        With ``may_serve`` (a caller that blocks anyway), returns a batch for
+        the caller to run itself when the rule fires now and no batch is
+        running; it must then call :meth:`done_serving`.
+        """
+        with self._cond:
+            if self._closed:
+                raise self._closed_error()
+            if self._max_queue_size is not None and self._rows + request.rows > self._max_queue_size:
+                raise QueueFullError(
+                    f"max_queue_size={self._max_queue_size} rows: {self._rows} are queued, "
+                    f"the request adds {request.rows}"
+                )
+            was_empty = not self._items
+            self._items.append(request)
+            self._rows += request.rows
+            self._idle.discard(request.caller)
+            if self._serving:
+                return None  # done_serving() looks at the queue next
+            if self._rows >= self._max_batch_size:
+                reason = FireReason.FULL
+            elif not self._idle:
+                reason = FireReason.ALL_WAITING
+            else:
+                if was_empty:
+                    self._cond.notify()  # start the worker's timeout clock
+                return None
+            if may_serve:
+                self._serving = True
+                return self._pop(), reason
+            self._cond.notify()
+            return None
+
+    def take_batch(self) -> tuple[list[Request], FireReason] | None:
+        """Block until the rule fires and no batch runs; return the batch and why.
+
+        The caller holds the serving token until :meth:`done_serving`.
+        Returns ``None`` once the queue is closed and empty.
+        """
+        with self._cond:
+            while True:
+                if self._items and not self._serving:
+                    if self._rows >= self._max_batch_size:
+                        reason = FireReason.FULL
+                    elif self._closed:
+                        reason = FireReason.CLOSING
+                    elif not self._idle:
+                        reason = FireReason.ALL_WAITING
+                    else:
+                        remaining = self._items[0].enqueued_at + self._timeout - time.monotonic()
+                        if remaining > 0:
+                            self._cond.wait(remaining)
+                            continue
+                        self._idle.clear()
+                        reason = FireReason.TIMEOUT
+                    self._serving = True
+                    return self._pop(), reason
+                if self._closed and not self._items and not self._serving:
+                    return None
+                self._cond.wait()
+
+    def done_serving(self, callers: Iterable[Any]) -> None:
+        """Release the serving token; ``callers`` were just served (call before waking them)."""
+        with self._cond:
+            self._serving = False
+            self._idle.update(callers)
+            if self._items or self._closed:
+                self._cond.notify()
+
+    def close(self, cancel_pending: bool = False) -> list[Request]:
+        """Refuse new requests; return the queued ones if ``cancel_pending``.
+
+        Without ``cancel_pending`` the queued requests stay for the worker,
+        which serves them at once (``closing``) and then stops.
+        """
+        with self._cond:
+            self._closed = True
+            pending = self._drain() if cancel_pending else []
+            self._cond.notify_all()
+        return pending
+
+    def break_(self, cause: BaseException) -> list[Request]:
+        """Mark the queue broken by ``cause`` and return every queued request."""
+        with self._cond:
+            self._closed = True
+            self._broken = cause
+            pending = self._drain()
+            self._cond.notify_all()
+        return pending
+
+    def pending_rows(self) -> int:
+        with self._cond:
+            return self._rows
+
+    def _closed_error(self) -> ServerClosedError | ServerBrokenError:
+        if self._broken is not None:
+            error = ServerBrokenError(f"the serve loop died: {self._broken!r}")
+            error.__cause__ = self._broken
+            return error
+        return ServerClosedError("the server is closed and accepts no more requests")
+
+    def _drain(self) -> list[Request]:
+        pending = list(self._items)
+        self._items.clear()
+        self._rows = 0
+        return pending
+
+    def _pop(self) -> list[Request]:
+        items = self._items
+        limit = self._max_batch_size
+        taken = [items.popleft()]
+        rows = taken[0].rows
+        while items and rows + items[0].rows <= limit:
+            request = items.popleft()
+            taken.append(request)
+            rows += request.rows
+        self._rows -= rows
+        return taken

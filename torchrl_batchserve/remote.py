@@ -1,0 +1,67 @@
+"""RemotePolicy: the actor-side handle, a TensorDictModuleBase like any policy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase, dispatch
+
+__all__ = ["RemotePolicy"]
+
+
+class RemotePolicy(TensorDictModuleBase):
+    """A policy whose forward runs batched on a :class:`BatchedPolicyServer`.
+
+    Calling it writes the policy's ``out_keys`` (and the policy version under
+    the server's ``policy_version_key``) into the TensorDict passed and returns
+    it, exactly as calling the served policy would. Any number of threads and
+    asyncio tasks may share one instance. Get one with
+    :meth:`BatchedPolicyServer.remote_policy`; it holds no parameters.
+
+    A request may be a single row (batch size ``[]``) or several
+    (``[k]``, or any batch shape: its rows are flattened for the batch and
+    the outputs take its shape back).
+
+    Examples:
+        >>> import asyncio, torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl_batchserve import BatchedPolicyServer
+        >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["obs"], out_keys=["act"])
+        >>> with BatchedPolicyServer(policy, max_batch_size=8) as server:
+        ...     remote = server.remote_policy()
+        ...     td = remote(TensorDict(obs=torch.ones(3)))             # blocking
+        ...     fut = remote.submit(TensorDict(obs=torch.ones(4, 3), batch_size=[4]))
+        ...     many = fut.result(timeout=10)
+        ...     aio = asyncio.run(remote.acall(TensorDict(obs=torch.ones(3))))
+        >>> td["act"].shape, many["act"].shape, int(aio["policy_version"])
+        (torch.Size([2]), torch.Size([4, 2]), 0)
+    """
+
+    def __init__(self, endpoint: Any, in_keys: Sequence[Any], out_keys: Sequence[Any]) -> None:
+        super().__init__()
+        self.in_keys = list(in_keys)
+        self.out_keys = list(out_keys)
+        self._endpoint = endpoint
+
+    @dispatch(auto_batch_size=False)
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Serve ``tensordict`` in a batch and return it with the outputs written."""
+        return self._endpoint.call(tensordict)
+
+    def submit(self, tensordict: TensorDictBase) -> Future[TensorDictBase]:
+        """Enqueue ``tensordict``; the Future resolves to it with the outputs written.
+
+        Raises at once (no Future) when the request is bad or the server closed.
+        """
+        return self._endpoint.submit(tensordict)
+
+    async def acall(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """``await remote.acall(td)``: the asyncio form of ``remote(td)``."""
+        return await self._endpoint.acall(tensordict)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(in_keys={self.in_keys}, out_keys={self.out_keys})"

@@ -1,0 +1,276 @@
+"""One record per request, and the three ways a result reaches its caller.
+
+A :class:`Request` is created by :class:`~torchrl_batchserve.RemotePolicy` once
+the input passed validation, travels through the queue and the serve loop, and
+is completed exactly once with :meth:`Request.finish` or :meth:`Request.fail`.
+How completion wakes the caller depends on how it asked:
+
+* :class:`BlockingRequest` (``remote(td)``): a bare lock, released by the
+  worker; the caller writes its own outputs after it wakes, off the worker's
+  critical path. This is the cheapest wake-up CPython has.
+* :class:`FutureRequest` (``remote.submit(td)``): a real
+  :class:`concurrent.futures.Future`.
+* :class:`AsyncRequest` (``await remote.acall(td)``): an :class:`asyncio.Future`;
+  the worker resolves all requests of one event loop with a single
+  ``call_soon_threadsafe`` per batch, so thousands of tasks cost one wake-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import InteractionType
+
+from torchrl_batchserve.errors import ServerBrokenError
+
+__all__ = [
+    "AsyncRequest",
+    "BlockingRequest",
+    "FutureRequest",
+    "Request",
+    "resolve",
+    "write_outputs",
+]
+
+
+class Request:
+    """A request accepted by the server, from submission to completion.
+
+    Args:
+        td: the caller's TensorDict; outputs are written into it.
+        inputs: the policy's in_key entries of ``td``, flattened to
+            ``(rows, *feature_shape)`` when ``td`` has batch dimensions.
+        rows: how many rows the request counts for in a batch.
+        batch_shape: ``td.batch_size``; outputs are reshaped back to it.
+        caller: an identity for the batching rule (thread, task or client).
+        interaction: the caller's tensordict interaction type, under which its
+            batch runs.
+        device: where the outputs go.
+    """
+
+    __slots__ = (
+        "batch_shape",
+        "caller",
+        "device",
+        "done",
+        "enqueued_at",
+        "error",
+        "inputs",
+        "interaction",
+        "keys",
+        "rows",
+        "td",
+        "values",
+    )
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def __init__(
+        self,
+        td: TensorDictBase,
+        inputs: tuple[Any, ...],
+        rows: int,
+        batch_shape: torch.Size,
+        caller: Any,
+        interaction: InteractionType | None,
+        device: torch.device | None,
+    ) -> None:
+        self.td = td
+        self.inputs = inputs
+        self.rows = rows
+        self.batch_shape = batch_shape
+        self.caller = caller
+        self.interaction = interaction
+        self.device = device
+        self.enqueued_at = time.monotonic()
+        self.keys: Sequence[Any] = ()
+        self.values: Sequence[Any] = ()
+        self.error: BaseException | None = None
+        self.done = False
+
+    def claim(self) -> bool:
+        """Whether the request should still run (False once its caller cancelled)."""
+        return True
+
+    def finish(self, keys: Sequence[Any], values: Sequence[Any]) -> None:
+        """Store the outputs of this request and wake its caller."""
+        if self.done:
+            return
+        self.done = True
+        self.keys = keys
+        self.values = values
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """Complete this request with ``error`` and wake its caller."""
+        if self.done:
+            return
+        self.done = True
+        self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        raise NotImplementedError
+
+    def _result(self) -> TensorDictBase:
+        if self.error is not None:
+            raise self.error
+        write_outputs(self.td, self.keys, self.values)
+        return self.td
+
+
+class BlockingRequest(Request):
+    """A request whose caller blocks in :meth:`wait` until it is completed."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def _wake(self) -> None:
+        self._lock.release()
+
+    def wait(self, is_alive: Callable[[], bool], check_every: float = 1.0) -> TensorDictBase:
+        """Block until completed; fail if the serve loop died without answering.
+
+        The periodic check is a watchdog for a worker that vanished without
+        running its cleanup (it cannot happen short of interpreter teardown);
+        normal completion wakes the caller at once.
+        """
+        while not self._lock.acquire(timeout=check_every):
+            if not is_alive() and not self.done:
+                self.fail(ServerBrokenError("the serve loop stopped without answering"))
+        return self._result()
+
+
+class FutureRequest(Request):
+    """A request completed through a :class:`concurrent.futures.Future`."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.future: Future[TensorDictBase] = Future()
+
+    def claim(self) -> bool:
+        return self.future.set_running_or_notify_cancel()
+
+    def _wake(self) -> None:
+        if self.error is not None:
+            if not self.future.done():
+                self.future.set_exception(self.error)
+            return
+        try:
+            result = self._result()
+        except BaseException as err:  # a write into the caller's td failed
+            self.future.set_exception(err)
+        else:
+            self.future.set_result(result)
+
+
+class AsyncRequest(Request):
+    """A request completed through an :class:`asyncio.Future` of its event loop."""
+
+    __slots__ = ("future", "loop")
+
+    def __init__(self, *args: Any, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(*args)
+        self.loop = loop
+        self.future: asyncio.Future[TensorDictBase] = loop.create_future()
+
+    def claim(self) -> bool:
+        # Reading a bool set by the loop thread: at worst a cancelled request
+        # runs once more, and its result is then dropped in _settle.
+        return not self.future.cancelled()
+
+    def _wake(self) -> None:
+        # Woken in bulk by resolve(); a lone wake (e.g. close) still works.
+        _call_in_loop(self.loop, _settle, (self,))
+
+    def _settle(self) -> None:
+        if self.future.done():
+            return
+        if self.error is not None:
+            self.future.set_exception(self.error)
+            return
+        try:
+            self.future.set_result(self._result())
+        except BaseException as err:
+            self.future.set_exception(err)
+
+
+def _settle(requests: Sequence[AsyncRequest]) -> None:
+    for request in requests:
+        request._settle()
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, arg: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, arg)  # type: ignore[union-attr]
+    except RuntimeError:
+        pass  # the loop is closed: nobody is left to wait for these results
+
+
+def resolve(requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[Sequence[Any]]) -> None:
+    """Complete ``requests[i]`` with ``columns[k][i]`` for each key ``keys[k]``.
+
+    Asyncio requests are grouped by event loop and settled with one wake-up
+    per loop; every other request is woken directly.
+    """
+    by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
+    for i, request in enumerate(requests):
+        values = tuple(column[i] for column in columns)
+        if request.loop is None:
+            request.finish(keys, values)
+        elif not request.done:
+            request.done = True
+            request.keys = keys
+            request.values = values
+            by_loop.setdefault(request.loop, []).append(request)
+    for loop, group in by_loop.items():
+        _call_in_loop(loop, _settle, group)
+
+
+def fail_all(requests: Sequence[Request], error: BaseException) -> None:
+    """Complete every request not yet completed with ``error``."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
+    for request in requests:
+        if request.loop is None:
+            request.fail(error)
+        elif not request.done:
+            request.done = True
+            request.error = error
+            by_loop.setdefault(request.loop, []).append(request)
+    for loop, group in by_loop.items():
+        _call_in_loop(loop, _settle, group)
+
+
+def write_outputs(td: TensorDictBase, keys: Sequence[Any], values: Sequence[Any]) -> None:
+    """Write ``values`` under ``keys`` into ``td``, as a TensorDictModule would.
+
+    Values come from the serve loop already shaped like ``td``'s batch and on
+    its device, so a plain unlocked TensorDict takes them without re-checking
+    (ten times cheaper than ``td.set``); any other TensorDict type, or a value
+    on another device, goes through the public, validating ``set``.
+    """
+    if type(td) is TensorDict and not td.is_locked:
+        device = td.device
+        for key, value in zip(keys, values):
+            if isinstance(value, torch.Tensor) and (device is None or value.device == device):
+                if type(key) is str:
+                    td._set_str(key, value, inplace=False, validated=True)
+                else:
+                    td._set_tuple(key, value, inplace=False, validated=True)
+            else:
+                td.set(key, value)
+        return
+    for key, value in zip(keys, values):
+        td.set(key, value)

@@ -1,0 +1,407 @@
+"""BatchedPolicyServer: the lifecycle and the one serve loop.
+
+::
+
+    take_batch -> apply pending weights -> collate -> to(device) -> policy
+               -> stamp version -> to(output device) -> split -> resolve
+
+Each step is a call into the module named for it; this file only sequences
+them and owns the worker thread.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule, TensorDictModuleBase, dispatch
+from tensordict.nn.probabilistic import set_interaction_type
+from tensordict.utils import NestedKey, unravel_key_list
+from torch import nn
+
+from torchrl_batchserve.collate import StackCollate, as_collate, split_values
+from torchrl_batchserve.direct import direct_call, usable
+from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError
+from torchrl_batchserve.layout import Layout
+from torchrl_batchserve.queue import FireReason, RequestQueue
+from torchrl_batchserve.remote import RemotePolicy
+from torchrl_batchserve.request import Request, fail_all, resolve
+from torchrl_batchserve.stats import ServerStatistics, StatisticsRecorder
+from torchrl_batchserve.transport.local import LocalEndpoint
+from torchrl_batchserve.weights import ShadowWeights
+
+__all__ = ["BatchedPolicyServer"]
+
+
+def _as_policy(policy: Any, in_keys: Any, out_keys: Any) -> TensorDictModuleBase:
+    if isinstance(policy, TensorDictModuleBase):
+        if in_keys is not None or out_keys is not None:
+            raise TypeError("in_keys/out_keys are taken from a TensorDictModuleBase policy; do not pass them")
+        return policy
+    if isinstance(policy, nn.Module):
+        in_keys = in_keys if in_keys is not None else getattr(policy, "in_keys", None)
+        out_keys = out_keys if out_keys is not None else getattr(policy, "out_keys", None)
+        if in_keys is None or out_keys is None:
+            raise TypeError(
+                f"policy {type(policy).__name__} is a plain nn.Module: pass in_keys= and out_keys= "
+                "(or give the module in_keys/out_keys attributes)"
+            )
+        return TensorDictModule(policy, in_keys=in_keys, out_keys=out_keys)
+    raise TypeError(f"policy must be a TensorDictModuleBase or an nn.Module, got {type(policy).__name__}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum} (got {value!r})")
+    return value
+
+
+def _device(name: str, value: Any) -> torch.device | None:
+    if value is None:
+        return None
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"{name} must be a torch.device or a device string (got {value!r})") from err
+
+
+class BatchedPolicyServer(TensorDictModule):
+    """Serve one policy to many actors, one batched forward at a time.
+
+    Actors call a :class:`~torchrl_batchserve.RemotePolicy` (from
+    :meth:`remote_policy`) with single TensorDicts; a worker thread gathers
+    them into batches by the rule of :mod:`torchrl_batchserve.queue`, runs the
+    policy once per batch under ``torch.no_grad`` and routes every actor its
+    own rows. The server is itself a ``TensorDictModule``: its ``in_keys``,
+    ``out_keys`` and parameters are the policy's, and calling it on a batch
+    runs the policy directly, so a trainer can treat it as the module whose
+    weights it updates.
+
+    Args:
+        policy: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with
+            ``in_keys``/``out_keys`` (attributes or the keywords below).
+
+    Keyword Args:
+        max_batch_size: rows that make a batch full (default 64).
+        timeout: seconds the oldest queued request waits for a fuller batch
+            (default 0.002). A batch also fires at once when every caller the
+            server knows of is already waiting.
+        collate: a :class:`~torchrl_batchserve.collate.Collate` or a
+            TorchRL-style ``collate_fn(list[TensorDict])``; default: stack.
+        device: where the policy runs; the policy is moved there. Default: it
+            stays where it is and batches run on the requests' device.
+        output_device: where results go; default: each request's own device.
+        max_queue_size: most rows that may wait; more raise
+            :class:`~torchrl_batchserve.errors.QueueFullError`. Default: no bound.
+        policy_version_key: key under which each result carries the version of
+            the weights that computed it; ``None`` disables the stamp.
+        in_keys, out_keys: for a plain ``nn.Module`` policy.
+
+    Examples:
+        >>> import torch
+        >>> from concurrent.futures import ThreadPoolExecutor
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl_batchserve import BatchedPolicyServer
+        >>> net = torch.nn.Linear(4, 2)
+        >>> policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+        >>> with BatchedPolicyServer(policy, max_batch_size=32, timeout=0.01) as server:
+        ...     remote = server.remote_policy()
+        ...     with ThreadPoolExecutor(8) as pool:
+        ...         tds = list(pool.map(remote, [TensorDict(observation=torch.randn(4)) for _ in range(64)]))
+        >>> all(torch.allclose(td["logits"], net(td["observation"])) for td in tds)
+        True
+        >>> server.statistics().requests
+        64
+    """
+
+    def __init__(
+        self,
+        policy: TensorDictModuleBase | nn.Module,
+        *,
+        max_batch_size: int = 64,
+        timeout: float = 0.002,
+        collate: Any = None,
+        device: torch.device | str | None = None,
+        output_device: torch.device | str | None = None,
+        max_queue_size: int | None = None,
+        policy_version_key: NestedKey | None = "policy_version",
+        in_keys: Sequence[NestedKey] | None = None,
+        out_keys: Sequence[NestedKey] | None = None,
+    ) -> None:
+        policy = _as_policy(policy, in_keys, out_keys)
+        _check_int("max_batch_size", max_batch_size, 1)
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not (math.isfinite(timeout) and timeout >= 0)
+        ):
+            raise ValueError(f"timeout must be a finite number of seconds >= 0 (got {timeout!r})")
+        if max_queue_size is not None:
+            _check_int("max_queue_size", max_queue_size, 1)
+        device = _device("device", device)
+        output_device = _device("output_device", output_device)
+        if collate is None and device is not None and device.type == "cuda":
+            collate = StackCollate(pin_memory=True)
+        collate = as_collate(collate)
+
+        super().__init__(policy, in_keys=list(policy.in_keys), out_keys=list(policy.out_keys))
+        if device is not None:
+            policy.to(device)
+        provided = set(unravel_key_list(list(getattr(collate, "provided_keys", ()))))
+        self.max_batch_size = max_batch_size
+        self.timeout = float(timeout)
+        self.max_queue_size = max_queue_size
+        self.policy_version_key = policy_version_key
+        self._collate = collate
+        # The tensor-level path needs the stacking collate and a plain TensorDictModule.
+        self._direct = direct_call(policy) if type(collate) is StackCollate else None
+        self._policy_device = device
+        self._output_device = output_device
+        self._delivered = list(self.out_keys) + ([policy_version_key] if policy_version_key is not None else [])
+        self._layout = Layout([k for k in self.in_keys if k not in provided], getattr(collate, "variable_dims", None))
+        self._queue = RequestQueue(max_batch_size, self.timeout, max_queue_size)
+        self._stats = StatisticsRecorder()
+        self._weights = ShadowWeights(policy)
+        self._lifecycle = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._endpoint = LocalEndpoint(
+            self._queue,
+            self._layout,
+            self._ensure_started,
+            self._worker_alive,
+            self._stats.rejected,
+            self._serve_inline,
+        )
+
+    # -- the module face -------------------------------------------------------
+
+    @property
+    def policy(self) -> TensorDictModuleBase:
+        """The served policy."""
+        return self.module
+
+    @property
+    def collate(self) -> Any:
+        return self._collate
+
+    @dispatch(auto_batch_size=False)
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Run the policy on ``tensordict`` directly, in the calling thread."""
+        return self.module(tensordict)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> BatchedPolicyServer:
+        """Start the serve loop (idempotent). Raises if the server was closed."""
+        with self._lifecycle:
+            if self._queue.closed:
+                raise ServerClosedError("a closed server cannot be started again")
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._serve_forever, name=f"{type(self).__name__}-worker", daemon=True
+                )
+                self._thread.start()
+        return self
+
+    def close(self, wait: bool = True, cancel_pending: bool = False, timeout: float | None = None) -> bool:
+        """Stop serving; return True when the serve loop has stopped.
+
+        New requests fail at once with
+        :class:`~torchrl_batchserve.errors.ServerClosedError`. Queued requests
+        are served first, unless ``cancel_pending`` fails them with that error.
+        Idempotent; never blocks longer than ``timeout`` when ``wait``.
+        """
+        with self._lifecycle:
+            thread = self._thread
+            pending = self._queue.close(cancel_pending or thread is None)
+        fail_all(pending, ServerClosedError("the server was closed before this request ran"))
+        if thread is None:
+            return True
+        if wait and thread is not threading.current_thread():
+            thread.join(timeout)
+        return not thread.is_alive()
+
+    @property
+    def closed(self) -> bool:
+        return self._queue.closed
+
+    def __enter__(self) -> BatchedPolicyServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            self.start()
+
+    def _worker_alive(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    # -- actors --------------------------------------------------------------------
+
+    def remote_policy(self) -> RemotePolicy:
+        """A :class:`~torchrl_batchserve.RemotePolicy` served by this server."""
+        return RemotePolicy(self._endpoint, self.in_keys, self.out_keys)
+
+    def submit(self, tensordict: TensorDictBase) -> Future[TensorDictBase]:
+        """Shortcut for ``server.remote_policy().submit(tensordict)``."""
+        return self._endpoint.submit(tensordict)
+
+    # -- weights and statistics ----------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the next batch will be computed with at the earliest."""
+        return self._weights.version
+
+    def update_weights(self, weights: Any) -> int:
+        """Stage new weights; they serve from the next batch on. Returns their version.
+
+        ``weights`` is a TensorDict (``TensorDict.from_module(policy)``), a
+        state_dict or a module of the served policy's structure; a mismatch
+        raises :class:`~torchrl_batchserve.errors.WeightSyncError` and the
+        current weights keep serving. The copy happens here, in the caller's
+        thread; the serve loop only swaps it in between two batches.
+        """
+        version = self._weights.stage(weights)
+        if not self._worker_alive():
+            self._apply_weights()  # nobody else will, until the loop runs
+        return version
+
+    def statistics(self) -> ServerStatistics:
+        """A frozen snapshot of the serving statistics."""
+        return self._stats.snapshot(self._weights.version)
+
+    # -- the serve loop --------------------------------------------------------------
+
+    def _serve_forever(self) -> None:
+        torch.set_grad_enabled(False)  # grad mode is per thread
+        while True:
+            taken = self._queue.take_batch()
+            if taken is None:
+                return
+            self._serve(*taken)
+
+    def _serve_inline(self, requests: list[Request], reason: FireReason) -> None:
+        # A blocking caller whose request made the rule fire runs the batch
+        # itself; its own request is in it. Policy errors reach the requests;
+        # only a failure of the loop itself propagates (and breaks the server).
+        with torch.no_grad():
+            self._serve(requests, reason)
+
+    def _apply_weights(self) -> None:
+        if self._weights.apply_pending() is not None:
+            self._stats.weight_update(self._weights.last_apply_seconds)
+
+    def _serve(self, requests: list[Request], reason: FireReason) -> None:
+        """Run one taken batch; the caller holds the serving token."""
+        outcomes: list[tuple[list[Request], Any, BaseException | None]] = []
+        try:
+            live = [r for r in requests if r.claim()]
+            self._apply_weights()
+            for group in self._groups(live):
+                rows = sum(r.rows for r in group)
+                now, start = time.monotonic(), time.perf_counter()
+                try:
+                    columns = self._run(group, rows)
+                except Exception as err:  # the policy's or the collate's: this batch only
+                    self._layout.forget_unconfirmed()
+                    outcomes.append((group, None, err))
+                else:
+                    self._layout.confirm()
+                    outcomes.append((group, columns, None))
+                waits = [now - r.enqueued_at for r in group]
+                self._stats.batch(
+                    len(group), rows, reason.value, waits, time.perf_counter() - start, not outcomes[-1][2]
+                )
+        except BaseException as err:
+            broken = ServerBrokenError(f"the serve loop died: {err!r}")
+            broken.__cause__ = err
+            self._queue.done_serving(())
+            fail_all(requests + self._queue.break_(err), broken)
+            raise
+        # Mark the callers idle before waking them (the rule counts on it).
+        self._queue.done_serving([r.caller for r in requests])
+        for group, columns, error in outcomes:
+            if error is None:
+                resolve(group, self._delivered, columns)
+            else:
+                fail_all(group, error)
+
+    @staticmethod
+    def _groups(live: list[Request]) -> list[list[Request]]:
+        if not live:
+            return []
+        interaction = live[0].interaction
+        if all(r.interaction is interaction for r in live):
+            return [live]
+        # tensordict's interaction type is process-global: one forward per type
+        by_type: dict[Any, list[Request]] = {}
+        for r in live:
+            by_type.setdefault(r.interaction, []).append(r)
+        return list(by_type.values())
+
+    def _run(self, group: list[Request], rows: int) -> Sequence[Sequence[Any]]:
+        source = group[0].device
+        run_on = self._policy_device or source
+        target = self._output_device or source
+        if self._direct is not None and usable(self.module):
+            values = self._run_direct(group, rows, run_on)
+        else:
+            values = self._run_module(group, rows, run_on)
+        if self.policy_version_key is not None:
+            values.append(torch.full((rows,), self._weights.version, dtype=torch.long, device=run_on))
+        if target is not None and target != run_on:
+            values = _to_device(values, target)
+        return split_values(values, group, self._delivered)
+
+    def _run_direct(self, group: list[Request], rows: int, run_on: torch.device | None) -> list[Any]:
+        tensors = self._collate.stack(group, rows)
+        source = group[0].device
+        if run_on is not None and run_on != source:
+            tensors = [t.to(run_on, non_blocking=True) for t in tensors]
+        call = self._direct
+        with set_interaction_type(group[0].interaction):
+            if rows <= self.max_batch_size:
+                return list(call(tensors))
+            chunks = [
+                call([t[i : i + self.max_batch_size] for t in tensors]) for i in range(0, rows, self.max_batch_size)
+            ]
+        return [torch.cat(parts) for parts in zip(*chunks)]
+
+    def _run_module(self, group: list[Request], rows: int, run_on: torch.device | None) -> list[Any]:
+        batch = self._collate.collate(group, self._layout.keys)
+        if run_on is not None and run_on != group[0].device:
+            batch = batch.to(run_on, non_blocking=True)
+        with set_interaction_type(group[0].interaction):
+            if rows <= self.max_batch_size:
+                output = self.module(batch)
+            else:  # one request larger than a batch: run it in slices
+                output = torch.cat(
+                    [self.module(batch[i : i + self.max_batch_size]) for i in range(0, rows, self.max_batch_size)]
+                )
+        if output is None:
+            output = batch
+        values = []
+        for key in self.out_keys:
+            value = output.get(key, None)
+            if value is None:
+                raise KeyError(f"the policy output has no entry {key!r} (its out_keys promise it)")
+            values.append(value)
+        return values
+
+
+def _to_device(values: list[Any], device: torch.device) -> list[Any]:
+    moved = [v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for v in values]
+    if device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()  # non-blocking device-to-host copies must land before callers read
+    return moved
