@@ -63,10 +63,10 @@ class Layout:
         1
         >>> layout.check(TensorDict(obs=torch.zeros(3, 4), batch_size=[3])).rows
         3
-        >>> layout.check(TensorDict(obs=torch.zeros(5)))
+        >>> layout.check(TensorDict(obs=torch.zeros(5)))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        torchrl_batchserve.errors.BadRequestError: key 'obs': expected feature shape (4,) after the batch dims [], got shape (5,)
+        torchrl_batchserve.errors.BadRequestError: key 'obs': expected feature shape (4,) ... got shape (5,)
     """
 
     def __init__(
@@ -106,7 +106,9 @@ class Layout:
         device = None
         for key, value, spec in zip(self.keys, values, specs):
             if not isinstance(value, torch.Tensor):
-                continue  # non-tensor data travels as is
+                if spec.dtype is not None or isinstance(value, TensorDictBase):
+                    raise BadRequestError(f"key {key!r}: expected a tensor, got {type(value).__name__}")
+                continue  # non-tensor data (e.g. a string) travels as is
             if value.dtype != spec.dtype:
                 raise BadRequestError(f"key {key!r}: expected dtype {spec.dtype}, got {value.dtype}")
             feature = value.shape[batch_dims:]

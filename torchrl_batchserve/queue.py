@@ -10,7 +10,8 @@ The rule, in :meth:`RequestQueue.take_batch` and nowhere else:
 4. ``closing``: after a graceful ``close``, queued requests run at once.
 
 A caller is *known* once it has been served; it counts as *idle* from the
-moment its result is ready until it submits again. Rule 2 fires when no known
+moment its result is ready until it submits again (a caller with another
+request still queued is waiting, not idle). Rule 2 fires when no known
 caller is idle. A caller that does not come back before a batch fires on
 timeout is forgotten, so actors that leave never hold batches back for longer
 than one timeout.
@@ -80,6 +81,7 @@ class RequestQueue:
         self._items: deque[Request] = deque()
         self._rows = 0
         self._idle: set[Any] = set()
+        self._queued_by_caller: dict[Any, int] = {}
         self._closed = False
         self._serving = False
         self._broken: BaseException | None = None
@@ -106,7 +108,9 @@ class RequestQueue:
             was_empty = not self._items
             self._items.append(request)
             self._rows += request.rows
-            self._idle.discard(request.caller)
+            caller = request.caller
+            self._queued_by_caller[caller] = self._queued_by_caller.get(caller, 0) + 1
+            self._idle.discard(caller)
             if self._serving:
                 return None  # done_serving() looks at the queue next
             if self._rows >= self._max_batch_size:
@@ -155,7 +159,8 @@ class RequestQueue:
         """Release the serving token; ``callers`` were just served (call before waking them)."""
         with self._cond:
             self._serving = False
-            self._idle.update(callers)
+            queued = self._queued_by_caller
+            self._idle.update(c for c in callers if c not in queued)
             if self._items or self._closed:
                 self._cond.notify()
 
@@ -194,6 +199,7 @@ class RequestQueue:
     def _drain(self) -> list[Request]:
         pending = list(self._items)
         self._items.clear()
+        self._queued_by_caller.clear()
         self._rows = 0
         return pending
 
@@ -207,4 +213,11 @@ class RequestQueue:
             taken.append(request)
             rows += request.rows
         self._rows -= rows
+        queued = self._queued_by_caller
+        for request in taken:
+            left = queued[request.caller] - 1
+            if left:
+                queued[request.caller] = left
+            else:
+                del queued[request.caller]
         return taken

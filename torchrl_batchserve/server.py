@@ -11,6 +11,7 @@ them and owns the worker thread.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -37,6 +38,8 @@ from torchrl_batchserve.transport.local import LocalEndpoint
 from torchrl_batchserve.weights import ShadowWeights
 
 __all__ = ["BatchedPolicyServer"]
+
+_log = logging.getLogger(__name__)
 
 
 def _as_policy(policy: Any, in_keys: Any, out_keys: Any) -> TensorDictModuleBase:
@@ -285,18 +288,25 @@ class BatchedPolicyServer(TensorDictModule):
 
     def _serve_forever(self) -> None:
         torch.set_grad_enabled(False)  # grad mode is per thread
-        while True:
-            taken = self._queue.take_batch()
-            if taken is None:
-                return
-            self._serve(*taken)
+        try:
+            while True:
+                taken = self._queue.take_batch()
+                if taken is None:
+                    return
+                self._serve(*taken)
+        except Exception:
+            # _serve already failed every request with ServerBrokenError.
+            _log.exception("the serve loop of %s died", type(self).__name__)
 
     def _serve_inline(self, requests: list[Request], reason: FireReason) -> None:
         # A blocking caller whose request made the rule fire runs the batch
-        # itself; its own request is in it. Policy errors reach the requests;
-        # only a failure of the loop itself propagates (and breaks the server).
-        with torch.no_grad():
-            self._serve(requests, reason)
+        # itself; its own request is in it, so it learns every outcome from
+        # that request (a loop failure too, as ServerBrokenError).
+        try:
+            with torch.no_grad():
+                self._serve(requests, reason)
+        except Exception:
+            _log.exception("serving a batch inline broke %s", type(self).__name__)
 
     def _apply_weights(self) -> None:
         if self._weights.apply_pending() is not None:
@@ -370,6 +380,7 @@ class BatchedPolicyServer(TensorDictModule):
         if run_on is not None and run_on != source:
             tensors = [t.to(run_on, non_blocking=True) for t in tensors]
         call = self._direct
+        assert call is not None
         with set_interaction_type(group[0].interaction):
             if rows <= self.max_batch_size:
                 return list(call(tensors))

@@ -1,0 +1,30 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Both create .venv on first use: torch first (the CPU wheel, so no range
+# below pulls a CUDA build), then this package with its extras.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test,bench,dev]"
+	touch $@
+
+.PHONY: demo test lint bench bench-quick
+demo: $(VENV)/.installed
+	$(BIN)/python examples/actors_demo.py
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check torchrl_batchserve tests examples benchmarks
+	$(BIN)/mypy torchrl_batchserve
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/run.py
+
+bench-quick: $(VENV)/.installed
+	$(BIN)/python benchmarks/run.py --quick

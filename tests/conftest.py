@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule, TensorDictModuleBase
+
+
+def make_mlp(obs: int = 8, act: int = 3, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(obs, 32), torch.nn.Tanh(), torch.nn.Linear(32, act))
+
+
+@pytest.fixture
+def net():
+    return make_mlp()
+
+
+@pytest.fixture
+def policy(net):
+    return TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+
+
+class GatedPolicy(TensorDictModuleBase):
+    """A policy whose forwards block until the test opens the gate.
+
+    ``entered`` is set when a forward starts, so a test knows the serve loop is
+    busy (and everything it submits next stays queued) without sleeping.
+    Records the rows of every batch it sees.
+    """
+
+    def __init__(self, net: torch.nn.Module, block_first: int = 1):
+        super().__init__()
+        self.in_keys = ["observation"]
+        self.out_keys = ["logits"]
+        self.net = net
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.batches: list[int] = []
+        self._block_first = block_first
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        self.batches.append(td.batch_size[0])
+        if len(self.batches) <= self._block_first:
+            self.entered.set()
+            assert self.gate.wait(30), "test never opened the gate"
+        td.set("logits", self.net(td.get("observation")))
+        return td

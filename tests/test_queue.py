@@ -1,0 +1,123 @@
+"""The batching rule, driven directly: no threads, no sleeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchrl_batchserve.errors import QueueFullError, ServerBrokenError, ServerClosedError
+from torchrl_batchserve.queue import FireReason, RequestQueue
+
+
+class R:
+    def __init__(self, rows=1, caller="a", enqueued_at=0.0):
+        self.rows, self.caller, self.enqueued_at = rows, caller, enqueued_at
+
+
+def test_full_fires_at_max_rows_and_never_splits_requests():
+    q = RequestQueue(max_batch_size=4, timeout=1e9)
+    q.done_serving(["someone-idle"])  # keep all_waiting out of the way
+    for rows in (3, 3, 1):
+        q.put(R(rows))
+    batch, reason = q.take_batch()
+    assert reason is FireReason.FULL
+    assert [r.rows for r in batch] == [3]  # 3 + 3 > 4: the second waits whole
+    q.done_serving([])
+    batch, reason = q.take_batch()
+    assert reason is FireReason.FULL and [r.rows for r in batch] == [3, 1]
+
+
+def test_oversized_request_is_taken_alone():
+    q = RequestQueue(max_batch_size=4, timeout=1e9)
+    q.put(R(10))
+    q.put(R(1))
+    batch, reason = q.take_batch()
+    assert [r.rows for r in batch] == [10] and reason is FireReason.FULL
+
+
+def test_timeout_fires_with_what_is_queued_and_forgets_absent_callers():
+    q = RequestQueue(max_batch_size=64, timeout=0.0)
+    q.done_serving(["b"])  # b was served and has not come back
+    q.put(R(caller="a"))
+    q.put(R(caller="a"))
+    batch, reason = q.take_batch()
+    assert reason is FireReason.TIMEOUT and len(batch) == 2
+    q.done_serving([])
+    q.put(R(caller="a"))  # b was forgotten on timeout: nobody known is idle now
+    assert q.take_batch()[1] is FireReason.ALL_WAITING
+
+
+def test_waits_while_a_known_caller_is_idle():
+    q = RequestQueue(max_batch_size=64, timeout=1e9)
+    q.done_serving(["a", "b"])
+    q.put(R(caller="a"))
+    # b is known and idle: waiting can still grow the batch, so put does not fire
+    assert q.put(R(caller="a"), may_serve=True) is None
+    fired = q.put(R(caller="b"), may_serve=True)  # now every known caller waits
+    assert fired is not None
+    batch, reason = fired
+    assert reason is FireReason.ALL_WAITING and len(batch) == 3
+
+
+def test_put_hands_a_blocking_caller_the_batch_only_when_nothing_runs():
+    q = RequestQueue(max_batch_size=2, timeout=1e9)
+    q.done_serving(["x"])
+    assert q.put(R(), may_serve=True) is None
+    batch, reason = q.put(R(), may_serve=True)
+    assert reason is FireReason.FULL and len(batch) == 2
+    # the token is held: a full batch now waits for done_serving
+    q.put(R())
+    assert q.put(R(), may_serve=True) is None
+    q.done_serving([])
+    assert q.take_batch()[1] is FireReason.FULL
+
+
+def test_closing_serves_queued_then_returns_none():
+    q = RequestQueue(max_batch_size=64, timeout=1e9)
+    q.done_serving(["idle"])
+    q.put(R())
+    assert q.close() == []
+    batch, reason = q.take_batch()
+    assert reason is FireReason.CLOSING and len(batch) == 1
+    q.done_serving([])
+    assert q.take_batch() is None
+    with pytest.raises(ServerClosedError):
+        q.put(R())
+
+
+def test_close_cancel_pending_returns_queued():
+    q = RequestQueue(max_batch_size=64, timeout=1e9)
+    q.done_serving(["idle"])
+    q.put(R())
+    q.put(R())
+    assert len(q.close(cancel_pending=True)) == 2
+    assert q.take_batch() is None
+
+
+def test_max_queue_size_counts_rows():
+    q = RequestQueue(max_batch_size=64, timeout=1e9, max_queue_size=3)
+    q.done_serving(["idle"])
+    q.put(R(2))
+    with pytest.raises(QueueFullError, match="max_queue_size=3 rows: 2 are queued, the request adds 2"):
+        q.put(R(2))
+    q.put(R(1))
+
+
+def test_broken_queue_refuses_with_cause():
+    q = RequestQueue(max_batch_size=64, timeout=1e9)
+    q.done_serving(["idle"])
+    q.put(R())
+    cause = RuntimeError("boom")
+    assert len(q.break_(cause)) == 1
+    with pytest.raises(ServerBrokenError) as info:
+        q.put(R())
+    assert info.value.__cause__ is cause
+
+
+def test_a_served_caller_with_another_request_queued_is_not_idle():
+    q = RequestQueue(max_batch_size=1, timeout=1e9)
+    q.put(R(caller="a"))
+    q.put(R(caller="a"))
+    batch, _ = q.take_batch()
+    q.done_serving([r.caller for r in batch])
+    # "a" still waits for its second request: nobody is idle, so it fires at once
+    assert q.take_batch()[1] in (FireReason.FULL, FireReason.ALL_WAITING)

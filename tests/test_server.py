@@ -1,0 +1,500 @@
+"""BatchedPolicyServer and RemotePolicy with threads and asyncio tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from conftest import GatedPolicy, make_mlp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+from tensordict.nn import (
+    InteractionType,
+    TensorDictModule,
+    TensorDictModuleBase,
+    TensorDictSequential,
+    set_interaction_type,
+)
+from tensordict.nn.probabilistic import interaction_type
+
+from torchrl_batchserve import (
+    BadRequestError,
+    BatchedPolicyServer,
+    QueueFullError,
+    RemotePolicy,
+    ServerBrokenError,
+    ServerClosedError,
+    ServerStatistics,
+    WeightSyncError,
+)
+
+
+def obs(*batch, n=8):
+    return TensorDict(observation=torch.randn(*batch, n), batch_size=list(batch))
+
+
+# -- every caller gets policy(its own input) -----------------------------------------
+
+
+def test_64_threads_get_their_own_results_and_batches_form(policy, net):
+    with BatchedPolicyServer(policy, max_batch_size=32, timeout=0.05) as server:
+        remote = server.remote_policy()
+        barrier = threading.Barrier(64)
+
+        def actor(seed):
+            gen = torch.Generator().manual_seed(seed)
+            barrier.wait()
+            outs = []
+            for _ in range(20):
+                td = TensorDict(observation=torch.randn(8, generator=gen))
+                x = td["observation"].clone()
+                out = remote(td)
+                assert out is td  # written in place, as a TensorDictModule does
+                outs.append((x, out["logits"].clone(), int(out["policy_version"])))
+            return outs
+
+        with ThreadPoolExecutor(64) as pool:
+            results = [r for rs in pool.map(actor, range(64)) for r in rs]
+        stats = server.statistics()
+    with torch.no_grad():
+        for x, logits, version in results:
+            torch.testing.assert_close(logits, net(x))
+            assert version == 0
+    assert stats.requests == 64 * 20 and stats.rows == 64 * 20
+    assert stats.mean_batch_size > 1
+
+
+def test_1000_asyncio_tasks_batch_together(policy, net):
+    async def main(remote):
+        tds = [obs() for _ in range(1000)]
+        inputs = [td["observation"].clone() for td in tds]
+        outs = await asyncio.gather(*(remote.acall(td) for td in tds))
+        return inputs, outs
+
+    with BatchedPolicyServer(policy, max_batch_size=64, timeout=0.05) as server:
+        inputs, outs = asyncio.run(main(server.remote_policy()))
+        stats = server.statistics()
+    with torch.no_grad():
+        for x, out in zip(inputs, outs):
+            torch.testing.assert_close(out["logits"], net(x))
+            assert int(out["policy_version"]) == 0
+    assert stats.requests == 1000
+    assert stats.mean_batch_size > 8  # one event loop: thousands of tasks share batches
+
+
+def test_threads_and_tasks_share_one_server(policy, net):
+    with BatchedPolicyServer(policy, max_batch_size=16, timeout=0.05) as server:
+        remote = server.remote_policy()
+
+        async def tasks():
+            tds = [obs() for _ in range(100)]
+            return tds, await asyncio.gather(*(remote.acall(td) for td in tds))
+
+        with ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(remote, obs()) for _ in range(100)]
+            tds, outs = asyncio.run(tasks())
+            thread_outs = [f.result() for f in futs]
+    with torch.no_grad():
+        for td in list(outs) + thread_outs:
+            torch.testing.assert_close(td["logits"], net(td["observation"]))
+
+
+@settings(max_examples=15, deadline=None)
+@given(shapes=st.lists(st.sampled_from([(), (1,), (3,), (2, 2), (5,)]), min_size=1, max_size=12))
+def test_multi_row_requests_take_their_shape_back(shapes):
+    net = make_mlp()
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, max_batch_size=4, timeout=0.01) as server:
+        remote = server.remote_policy()
+        futs = [remote.submit(obs(*shape)) for shape in shapes]
+        outs = [f.result(timeout=30) for f in futs]
+        stats = server.statistics()
+    assert stats.rows == sum(torch.Size(s).numel() for s in shapes)
+    with torch.no_grad():
+        for shape, td in zip(shapes, outs):
+            assert td["logits"].shape == (*shape, 3)
+            assert td["policy_version"].shape == shape
+            torch.testing.assert_close(td["logits"], net(td["observation"]))
+
+
+def test_general_path_for_composite_policies(net):
+    # TensorDictSequential is not a plain TensorDictModule: the TensorDict path serves it.
+    head = torch.nn.Linear(3, 1)
+    policy = TensorDictSequential(
+        TensorDictModule(net, in_keys=["observation"], out_keys=["logits"]),
+        TensorDictModule(head, in_keys=["logits"], out_keys=["value"]),
+    )
+    with BatchedPolicyServer(policy, max_batch_size=8) as server:
+        assert server._direct is None
+        remote = server.remote_policy()
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(remote, [obs() for _ in range(40)]))
+    with torch.no_grad():
+        for td in outs:
+            torch.testing.assert_close(td["value"], head(net(td["observation"])))
+
+
+def test_plain_module_with_keys_and_direct_call(net):
+    server = BatchedPolicyServer(net, in_keys=["observation"], out_keys=["logits"])
+    assert server.in_keys == ["observation"] and server.out_keys == ["logits"]
+    assert list(server.parameters()) == list(net.parameters())
+    td = server(obs(5))  # the server called on a batch runs the policy directly
+    torch.testing.assert_close(td["logits"], net(td["observation"]))
+    with server:
+        out = server.remote_policy()(obs())
+    assert out["logits"].shape == (3,)
+
+
+def test_oversized_request_runs_in_slices():
+    gated = GatedPolicy(make_mlp(), block_first=0)
+    with BatchedPolicyServer(gated, max_batch_size=4) as server:
+        td = server.remote_policy()(obs(10))
+    assert gated.batches == [4, 4, 2]
+    with torch.no_grad():
+        torch.testing.assert_close(td["logits"], gated.net(td["observation"]))
+
+
+def test_nested_keys_and_version_key_none():
+    net = make_mlp()
+    policy = TensorDictModule(net, in_keys=[("agent", "obs")], out_keys=[("agent", "logits")])
+    with BatchedPolicyServer(policy, policy_version_key=None) as server:
+        td = TensorDict({"agent": {"obs": torch.randn(8)}})
+        out = server.remote_policy()(td)
+    assert "policy_version" not in out.keys()
+    with torch.no_grad():
+        torch.testing.assert_close(out["agent", "logits"], net(out["agent", "obs"]))
+
+
+def test_remote_policy_is_a_module_without_parameters(policy):
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        assert isinstance(remote, TensorDictModuleBase) and isinstance(remote, RemotePolicy)
+        assert remote.in_keys == ["observation"] and remote.out_keys == ["logits"]
+        assert list(remote.parameters()) == []
+        logits = remote(observation=torch.randn(8))  # keyword call: returns the out_keys' tensors
+        assert isinstance(logits, torch.Tensor) and logits.shape == (3,)
+
+
+# -- the batching rule through the server ------------------------------------------------
+
+
+def test_full_batch_and_cancelled_future_dropped():
+    gated = GatedPolicy(make_mlp())
+    with BatchedPolicyServer(gated, max_batch_size=4, timeout=1e6) as server:
+        remote = server.remote_policy()
+        first = remote.submit(obs())
+        assert gated.entered.wait(10)  # the loop is busy with `first`
+        futs = [remote.submit(obs()) for _ in range(5)]
+        assert futs[1].cancel()
+        gated.gate.set()
+        first.result(10)
+        outs = [f.result(10) for i, f in enumerate(futs) if i != 1]
+        stats = server.statistics()
+    # 5 queued, 1 cancelled: the full batch takes 4 requests, drops the cancelled one
+    assert gated.batches[:2] == [1, 3] and sum(gated.batches) == 5
+    assert stats.fired["full"] >= 1
+    assert all(o["logits"].shape == (3,) for o in outs)
+
+
+def test_timeout_fires_a_partial_batch():
+    gated = GatedPolicy(make_mlp())
+    with BatchedPolicyServer(gated, max_batch_size=64, timeout=0.001) as server:
+        remote = server.remote_policy()
+        first = remote.submit(obs())
+        assert gated.entered.wait(10)
+        # `first`'s caller becomes idle (known, not waiting) once served; the
+        # next batch cannot fill up, so it waits out the timeout.
+        gated.gate.set()
+        first.result(10)
+        server.remote_policy().submit(obs()).result(10)
+        stats = server.statistics()
+    assert stats.fired.get("timeout", 0) + stats.fired.get("all_waiting", 0) == stats.batches
+
+
+# -- the error model ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"observation": torch.randn(8)}, "a request must be a TensorDictBase, got dict"),
+        (TensorDict(obs=torch.randn(8)), "key 'observation': missing; the policy reads \\['observation'\\]"),
+        (
+            TensorDict(observation=torch.randn(8).double()),
+            "key 'observation': expected dtype torch.float32, got torch.float64",
+        ),
+        (
+            TensorDict(observation=torch.randn(5)),
+            r"key 'observation': expected feature shape \(8,\) after the batch dims \[\], got shape \(5,\)",
+        ),
+        (TensorDict(observation=torch.randn(8, device="meta")), "key 'observation': expected device cpu, got meta"),
+        (
+            TensorDict(observation=torch.randn(0, 8), batch_size=[0]),
+            r"a request needs at least one row, got batch size \[0\]",
+        ),
+    ],
+)
+def test_bad_requests_fail_their_caller_only(policy, net, bad, message):
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        good = remote(obs())  # fixes the layout
+        # remote(x) with a non-TensorDict x reads x as the first in_key (dispatch)
+        call_message = "key 'observation': expected a tensor, got TensorDict" if isinstance(bad, dict) else message
+        with pytest.raises(BadRequestError, match=call_message):
+            remote(bad)
+        with pytest.raises(BadRequestError, match=message):
+            remote.submit(bad)
+        with pytest.raises(BadRequestError, match=message):
+            asyncio.run(remote.acall(bad))
+        after = remote(obs())  # the server keeps serving
+        stats = server.statistics()
+    assert stats.rejected_requests == 3 and stats.failed_batches == 0
+    with torch.no_grad():
+        for td in (good, after):
+            torch.testing.assert_close(td["logits"], net(td["observation"]))
+
+
+def test_a_failed_first_batch_does_not_fix_the_layout(net):
+    calls = []
+
+    def flaky(x):
+        calls.append(x.shape)
+        if x.shape[-1] != 8:
+            raise ValueError("wrong width")
+        return net(x)
+
+    policy = TensorDictModule(flaky, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        with pytest.raises(ValueError, match="wrong width"):
+            remote(obs(n=5))
+        assert remote(obs())["logits"].shape == (3,)  # 8 wide is accepted now
+
+
+class Exploding(TensorDictModuleBase):
+    def __init__(self, net):
+        super().__init__()
+        self.in_keys, self.out_keys, self.net = ["observation"], ["logits"], net
+
+    def forward(self, td):
+        if (td["observation"] == 1000).any():
+            raise ValueError("policy exploded")
+        td["logits"] = self.net(td["observation"])
+        return td
+
+
+def test_policy_exception_reaches_every_caller_of_the_batch_and_serving_goes_on(net):
+    gated = GatedPolicy(net)
+    with BatchedPolicyServer(gated, max_batch_size=3, timeout=1e6) as server:
+        remote = server.remote_policy()
+        first = remote.submit(obs())
+        assert gated.entered.wait(10)
+        server.policy.forward = Exploding(net).forward  # the next batch explodes
+        bomb = obs()
+        bomb["observation"][0] = 1000
+        futs = [remote.submit(bomb), remote.submit(obs()), remote.submit(obs())]
+        gated.gate.set()
+        first.result(10)
+        for f in futs:
+            with pytest.raises(ValueError, match="policy exploded"):
+                f.result(10)
+        ok = remote(obs())
+        stats = server.statistics()
+    assert ok["logits"].shape == (3,)
+    assert stats.failed_batches == 1
+
+
+def test_close_cancel_pending_fails_queued_and_lets_inflight_finish():
+    gated = GatedPolicy(make_mlp())
+    server = BatchedPolicyServer(gated, max_batch_size=2, timeout=1e6).start()
+    remote = server.remote_policy()
+    inflight = remote.submit(obs())
+    assert gated.entered.wait(10)
+    queued = [remote.submit(obs()) for _ in range(3)]
+    assert server.close(wait=False, cancel_pending=True) is False  # the forward still runs
+    for f in queued:
+        with pytest.raises(ServerClosedError, match="closed before this request ran"):
+            f.result(10)
+    with pytest.raises(ServerClosedError):
+        remote.submit(obs())
+    with pytest.raises(ServerClosedError):
+        remote(obs())
+    gated.gate.set()
+    assert inflight.result(10)["logits"].shape == (3,)
+    assert server.close() is True and server.close() is True  # idempotent
+
+
+def test_graceful_close_serves_what_was_queued():
+    gated = GatedPolicy(make_mlp())
+    server = BatchedPolicyServer(gated, max_batch_size=64, timeout=1e6).start()
+    remote = server.remote_policy()
+    first = remote.submit(obs())
+    assert gated.entered.wait(10)
+    queued = [remote.submit(obs()) for _ in range(3)]
+    server.close(wait=False)
+    gated.gate.set()
+    assert all(f.result(10)["logits"].shape == (3,) for f in [first, *queued])
+    assert server.close() is True
+    assert server.statistics().fired["closing"] == 1
+
+
+def test_close_wakes_blocked_thread_callers():
+    gated = GatedPolicy(make_mlp())
+    server = BatchedPolicyServer(gated, max_batch_size=1, timeout=1e6).start()
+    remote = server.remote_policy()
+    first = remote.submit(obs())
+    assert gated.entered.wait(10)
+    errors = []
+    queued = threading.Event()
+
+    def blocked():
+        fut = remote.submit(obs())  # queued behind the gate
+        queued.set()
+        try:
+            fut.result(30)
+        except ServerClosedError as err:
+            errors.append(err)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    assert queued.wait(10)
+    server.close(wait=False, cancel_pending=True)
+    t.join(10)
+    assert len(errors) == 1
+    gated.gate.set()
+    first.result(10)
+    assert server.close()
+
+
+def test_never_started_server_fails_queued_on_close(policy):
+    server = BatchedPolicyServer(policy)
+    assert server.close() is True
+    with pytest.raises(ServerClosedError):
+        server.start()
+    with pytest.raises(ServerClosedError):
+        server.remote_policy().submit(obs())
+
+
+def test_broken_serve_loop_fails_everyone_with_a_typed_error(policy):
+    server = BatchedPolicyServer(policy).start()
+    remote = server.remote_policy()
+    remote(obs())
+
+    def crash():
+        raise RuntimeError("loop bug")
+
+    server._apply_weights = crash  # a failure outside any one batch breaks the loop
+    fut = remote.submit(obs())
+    with pytest.raises(ServerBrokenError) as info:
+        fut.result(10)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(ServerBrokenError):
+        remote(obs())
+    server.close()
+
+
+def test_queue_full_is_refused_at_once():
+    gated = GatedPolicy(make_mlp())
+    with BatchedPolicyServer(gated, max_batch_size=64, timeout=1e6, max_queue_size=2) as server:
+        remote = server.remote_policy()
+        first = remote.submit(obs())
+        assert gated.entered.wait(10)
+        remote.submit(obs())
+        with pytest.raises(QueueFullError):
+            remote.submit(obs(2))
+        gated.gate.set()
+        first.result(10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_batch_size": 0}, r"max_batch_size must be an int >= 1 \(got 0\)"),
+        ({"max_batch_size": True}, r"max_batch_size must be an int >= 1 \(got True\)"),
+        ({"timeout": -1}, r"timeout must be a finite number of seconds >= 0 \(got -1\)"),
+        ({"timeout": float("inf")}, r"timeout must be a finite number of seconds >= 0 \(got inf\)"),
+        ({"max_queue_size": 0}, r"max_queue_size must be an int >= 1 \(got 0\)"),
+        ({"device": "nonsense"}, r"device must be a torch.device or a device string \(got 'nonsense'\)"),
+        ({"collate": 3}, "collate must be a Collate"),
+    ],
+)
+def test_constructor_validates_arguments(policy, kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        BatchedPolicyServer(policy, **kwargs)
+
+
+def test_constructor_rejects_policies_without_keys():
+    with pytest.raises(TypeError, match="plain nn.Module: pass in_keys= and out_keys="):
+        BatchedPolicyServer(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="policy must be a TensorDictModuleBase or an nn.Module, got int"):
+        BatchedPolicyServer(3)
+
+
+# -- interaction type, statistics, weights -----------------------------------------------------
+
+
+class Recorder(TensorDictModuleBase):
+    def __init__(self):
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["seen"]
+
+    def forward(self, td):
+        mode = interaction_type()
+        td["seen"] = torch.full(td.batch_size, -1 if mode is None else list(InteractionType).index(mode))
+        return td
+
+
+def test_each_request_runs_under_its_callers_interaction_type():
+    with BatchedPolicyServer(Recorder(), policy_version_key=None) as server:
+        remote = server.remote_policy()
+        with set_interaction_type(InteractionType.RANDOM):
+            random_td = remote(obs())
+        with set_interaction_type(InteractionType.DETERMINISTIC):
+            det = remote.submit(obs()).result(10)
+        assert int(random_td["seen"]) == list(InteractionType).index(InteractionType.RANDOM)
+        assert int(det["seen"]) == list(InteractionType).index(InteractionType.DETERMINISTIC)
+
+
+def test_statistics_is_a_frozen_snapshot(policy):
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        for _ in range(5):
+            remote(obs())
+        stats = server.statistics()
+    assert isinstance(stats, ServerStatistics)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.requests = 0
+    assert stats.requests == 5 and stats.batches == sum(stats.batch_size_histogram.values())
+    assert sum(stats.fired.values()) == stats.batches
+    assert 0 <= stats.queue_wait_p50 <= stats.queue_wait_p99
+    assert 0 < stats.forward_p50 <= stats.forward_p99
+    assert "requests=5" in stats.summary()
+
+
+def test_update_weights_stamps_new_version_on_results(policy, net):
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        before = remote(obs())
+        new = make_mlp(seed=1)
+        reference = TensorDictModule(new, in_keys=["observation"], out_keys=["logits"])
+        assert server.update_weights(reference.state_dict()) == 1
+        after = remote(obs())
+        assert server.update_weights(TensorDict.from_module(reference)) == 2
+        with pytest.raises(WeightSyncError, match=r"weight .*: expected shape \(32, 8\)"):
+            bad = TensorDict.from_module(reference).clone()
+            bad["module", "0", "weight"] = torch.zeros(32, 9)
+            server.update_weights(bad)
+        with pytest.raises(WeightSyncError, match="missing"):
+            server.update_weights({"module.0.weight": torch.zeros(32, 8)})
+        last = remote(obs())
+    assert int(before["policy_version"]) == 0
+    assert int(after["policy_version"]) == 1 and int(last["policy_version"]) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(after["logits"], new(after["observation"]))
+        torch.testing.assert_close(last["logits"], new(last["observation"]))
+    assert server.statistics().weight_updates == 2
