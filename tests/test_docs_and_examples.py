@@ -47,3 +47,15 @@ def test_actors_demo_smoke():
     result = actors_demo.run(cfg)
     assert result["mismatches"] == 0 and result["requests"] == 120
     assert result["statistics"].requests == 120
+
+
+def test_benchmark_quick_smoke(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import run as bench
+    finally:
+        sys.path.pop(0)
+    out = bench.main(["--quick", "--only", "vector", "--out", str(tmp_path)])
+    assert (tmp_path / "benchmarks_quick.md").exists()
+    row = next(r for r in out["rows"] if r["actors"] == 8 and r["mode"] == "threads")
+    assert row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0 and row["x_torchrl"] > 0

@@ -1,0 +1,454 @@
+"""Side-by-side benchmark: torchrl_batchserve vs TorchRL 0.14's InferenceServer.
+
+One process run measures, on the same policies, inputs and machine:
+
+* ``ours``: BatchedPolicyServer + RemotePolicy;
+* ``torchrl``: ``torchrl.modules.inference_server.InferenceServer`` with its
+  ThreadingTransport (threads call the client; asyncio tasks await
+  ``asyncio.wrap_future(client.submit(td))``);
+* ``naive``: every actor calls the policy itself (one shared model, no batching);
+* ``floor``: the policy's own batched forward at the batch size the actors can
+  form (min(actors, max_batch_size)), with no server at all.
+
+Both servers get the same ``max_batch_size`` and ``timeout``. Each scenario is
+repeated; ratios are taken within a repeat and reported as medians.
+
+    python benchmarks/run.py            # full run, writes docs/benchmarks.md and a PNG
+    python benchmarks/run.py --quick    # seconds; a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torchrl.modules.inference_server import InferenceServer, ThreadingTransport
+
+from torchrl_batchserve import BatchedPolicyServer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PixelNet(torch.nn.Module):
+    """A small Atari-style conv net over 4x84x84 uint8 frames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(4, 16, 8, stride=4),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 4, stride=2),
+            torch.nn.ReLU(),
+            torch.nn.Flatten(-3),
+            torch.nn.Linear(32 * 9 * 9, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 6),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x.float() / 255.0)
+
+
+def make_payload(name: str) -> tuple[TensorDictModule, Callable[[torch.Generator], TensorDict]]:
+    torch.manual_seed(0)
+    if name == "vector":
+        net = torch.nn.Sequential(
+            torch.nn.Linear(64, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 8),
+        )
+        return TensorDictModule(net, in_keys=["observation"], out_keys=["logits"]), (
+            lambda g: TensorDict(observation=torch.randn(64, generator=g))
+        )
+    net = PixelNet()
+    return TensorDictModule(net, in_keys=["pixels"], out_keys=["logits"]), (
+        lambda g: TensorDict(pixels=torch.randint(0, 256, (4, 84, 84), dtype=torch.uint8, generator=g))
+    )
+
+
+@dataclass
+class Measurement:
+    system: str
+    payload: str
+    mode: str  # threads | tasks | floor
+    actors: int
+    repeat: int
+    requests: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    mean_batch: float
+    cpu_us: float
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3 if ordered else 0.0
+
+
+def drive_threads(call: Callable, make: Callable, actors: int, per_actor: int) -> tuple[float, list[float], float]:
+    barrier = threading.Barrier(actors + 1)
+    latencies: list[list[float]] = [[] for _ in range(actors)]
+
+    def actor(i: int) -> None:
+        td = make(torch.Generator().manual_seed(i))
+        lat = latencies[i]
+        with torch.no_grad():
+            barrier.wait()
+            for _ in range(per_actor):
+                t = time.perf_counter()
+                call(td)
+                lat.append(time.perf_counter() - t)
+
+    threads = [threading.Thread(target=actor, args=(i,)) for i in range(actors)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start, cpu = time.perf_counter(), time.process_time()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start, [x for lat in latencies for x in lat], time.process_time() - cpu
+
+
+def drive_tasks(acall: Callable, make: Callable, tasks: int, per_task: int) -> tuple[float, list[float], float]:
+    latencies: list[float] = []
+
+    async def task(i: int) -> None:
+        td = make(torch.Generator().manual_seed(i))
+        for _ in range(per_task):
+            t = time.perf_counter()
+            await acall(td)
+            latencies.append(time.perf_counter() - t)
+
+    async def main() -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(task(i) for i in range(tasks)))
+        return time.perf_counter() - start, time.process_time() - cpu
+
+    elapsed, cpu = asyncio.run(main())
+    return elapsed, latencies, cpu
+
+
+def measure(system: str, payload: str, mode: str, actors: int, repeat: int, total: int, args: Any) -> Measurement:
+    policy, make = make_payload(payload)
+    per_actor = max(1, total // actors)
+    mean_batch = 1.0
+    if system == "ours":
+        with BatchedPolicyServer(policy, max_batch_size=args.max_batch_size, timeout=args.timeout) as server:
+            remote = server.remote_policy()
+            if mode == "threads":
+                elapsed, lat, cpu = drive_threads(remote, make, actors, per_actor)
+            else:
+                elapsed, lat, cpu = drive_tasks(remote.acall, make, actors, per_actor)
+            mean_batch = server.statistics().mean_batch_size
+    elif system == "torchrl":
+        with InferenceServer(
+            policy, ThreadingTransport(), max_batch_size=args.max_batch_size, timeout=args.timeout
+        ) as server:
+            client = server.client()
+            if mode == "threads":
+                elapsed, lat, cpu = drive_threads(client, make, actors, per_actor)
+            else:
+                elapsed, lat, cpu = drive_tasks(
+                    lambda td: asyncio.wrap_future(client.submit(td)), make, actors, per_actor
+                )
+            mean_batch = float(server.stats().get("avg_batch_size", 0.0))
+    elif system == "naive":
+        if mode == "threads":
+            elapsed, lat, cpu = drive_threads(policy, make, actors, per_actor)
+        else:
+
+            async def direct(td: TensorDict) -> TensorDict:
+                with torch.no_grad():
+                    return policy(td)
+
+            elapsed, lat, cpu = drive_tasks(direct, make, actors, per_actor)
+    else:
+        raise ValueError(system)
+    n = per_actor * actors
+    return Measurement(
+        system,
+        payload,
+        mode,
+        actors,
+        repeat,
+        n,
+        n / elapsed,
+        _pct(lat, 0.5),
+        _pct(lat, 0.99),
+        mean_batch,
+        cpu / n * 1e6,
+    )
+
+
+def measure_floor(payload: str, batch: int, repeat: int, total: int) -> Measurement:
+    """The policy's batched forward alone: requests/s if every batch were full and free."""
+    policy, make = make_payload(payload)
+    g = torch.Generator().manual_seed(0)
+    batch_td = torch.stack([make(g) for _ in range(batch)])
+    iters = max(3, total // batch)
+    lat = []
+    with torch.no_grad():
+        policy(batch_td.clone())
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(iters):
+            t = time.perf_counter()
+            policy(batch_td)
+            lat.append(time.perf_counter() - t)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    n = iters * batch
+    return Measurement(
+        "floor",
+        payload,
+        "floor",
+        batch,
+        repeat,
+        n,
+        n / elapsed,
+        _pct(lat, 0.5),
+        _pct(lat, 0.99),
+        float(batch),
+        cpu / n * 1e6,
+    )
+
+
+def scenarios(quick: bool) -> list[tuple[str, str, int, int]]:
+    """(payload, mode, actors, total requests)."""
+    out = []
+    for payload, scale in (("vector", 1), ("pixels", 8)):
+        for threads in (1, 8, 64, 256):
+            total = (512 if quick else 6000) // scale
+            out.append((payload, "threads", threads, max(total, threads)))
+        for tasks in (64, 1024):
+            total = (1024 if quick else 12000) // scale
+            out.append((payload, "tasks", tasks, max(total, tasks)))
+    return out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(results: list[Measurement], max_batch_size: int) -> list[dict]:
+    rows = []
+    keys = sorted(
+        {(m.payload, m.mode, m.actors) for m in results if m.mode != "floor"},
+        key=lambda k: (k[0] != "vector", k[1], k[2]),
+    )
+    for payload, mode, actors in keys:
+        by_sys: dict[str, list[Measurement]] = {}
+        for m in results:
+            if (m.payload, m.mode, m.actors) == (payload, mode, actors):
+                by_sys.setdefault(m.system, []).append(m)
+        floor_batch = min(actors, max_batch_size)
+        floor = [m for m in results if m.mode == "floor" and m.payload == payload and m.actors == floor_batch]
+        row: dict[str, Any] = {"payload": payload, "mode": mode, "actors": actors}
+        for system, ms in by_sys.items():
+            row[system] = {
+                "rps": median([m.rps for m in ms]),
+                "p50_ms": median([m.p50_ms for m in ms]),
+                "p99_ms": median([m.p99_ms for m in ms]),
+                "mean_batch": median([m.mean_batch for m in ms]),
+                "cpu_us": median([m.cpu_us for m in ms]),
+            }
+        if floor:
+            row["floor"] = {"rps": median([m.rps for m in floor]), "p50_ms": median([m.p50_ms for m in floor])}
+        ours, theirs = by_sys.get("ours", []), by_sys.get("torchrl", [])
+        naive = by_sys.get("naive", [])
+        pairs = [(o, t) for o in ours for t in theirs if o.repeat == t.repeat]
+        row["x_torchrl"] = median([o.rps / t.rps for o, t in pairs])
+        row["p99_vs_torchrl"] = median([o.p99_ms / t.p99_ms for o, t in pairs])
+        row["cpu_vs_torchrl"] = median([o.cpu_us / t.cpu_us for o, t in pairs])
+        row["x_naive"] = median([o.rps / n.rps for o in ours for n in naive if o.repeat == n.repeat])
+        rows.append(row)
+    return rows
+
+
+def single_actor_overhead(results: list[Measurement]) -> dict[str, float]:
+    """p50 latency of one actor minus the bare forward of one row, per system (vector payload)."""
+    floor1 = median([m.p50_ms for m in results if m.mode == "floor" and m.payload == "vector" and m.actors == 1])
+    out = {}
+    for system in ("ours", "torchrl"):
+        p50 = median(
+            [
+                m.p50_ms
+                for m in results
+                if m.system == system and m.payload == "vector" and m.mode == "threads" and m.actors == 1
+            ]
+        )
+        out[system] = (p50 - floor1) * 1e3  # microseconds
+    out["bare_forward_us"] = floor1 * 1e3
+    return out
+
+
+def criteria(rows: list[dict], overhead: dict[str, float]) -> list[tuple[str, str, bool]]:
+    def row(payload: str, mode: str, actors: int) -> dict:
+        return next(r for r in rows if (r["payload"], r["mode"], r["actors"]) == (payload, mode, actors))
+
+    out = []
+    r64 = row("vector", "threads", 64)
+    out.append(("64 threads, vector: >= 4x TorchRL throughput", f"{r64['x_torchrl']:.2f}x", r64["x_torchrl"] >= 4))
+    out.append(
+        ("64 threads, vector: p99 <= 1/2 TorchRL's", f"{r64['p99_vs_torchrl']:.2f}", r64["p99_vs_torchrl"] <= 0.5)
+    )
+    out.append(("64 threads, vector: faster than naive", f"{r64['x_naive']:.2f}x", r64["x_naive"] > 1))
+    r1024 = row("vector", "tasks", 1024)
+    out.append(("1024 tasks: >= 5x TorchRL", f"{r1024['x_torchrl']:.2f}x", r1024["x_torchrl"] >= 5))
+    r256 = row("vector", "threads", 256)
+    out.append(("256 threads: >= 4x TorchRL", f"{r256['x_torchrl']:.2f}x", r256["x_torchrl"] >= 4))
+    out.append(
+        (
+            "1 actor: overhead over bare forward <= 100 us",
+            f"{overhead['ours']:.0f} us (TorchRL {overhead['torchrl']:.0f} us)",
+            overhead["ours"] <= 100,
+        )
+    )
+    rpx = row("pixels", "threads", 64)
+    out.append(("pixels, 64 threads: >= 1.5x TorchRL", f"{rpx['x_torchrl']:.2f}x", rpx["x_torchrl"] >= 1.5))
+    out.append(
+        ("64 threads: CPU/request <= 1/3 TorchRL's", f"{r64['cpu_vs_torchrl']:.2f}", r64["cpu_vs_torchrl"] <= 1 / 3)
+    )
+    return out
+
+
+def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, path: Path, plot: Path | None) -> None:
+    lines = [
+        "# Benchmarks: torchrl_batchserve vs TorchRL's InferenceServer",
+        "",
+        "Produced by `" + ("python benchmarks/run.py --quick" if args.quick else "python benchmarks/run.py") + "` "
+        f"on {platform.node() or 'this machine'}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, "
+        f"torchrl {__import__('torchrl').__version__}, tensordict {__import__('tensordict').__version__}; "
+        f"{time.strftime('%Y-%m-%d')}.",
+        "",
+        f"Both servers: `max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`. "
+        f"Medians of {args.repeats} repeat(s); ratios are taken within a repeat. `torch.set_num_threads(1)`.",
+        "Payloads: `vector` = 64 floats into an MLP 64-256-256-8; `pixels` = 4x84x84 uint8 into a small conv net.",
+        "`floor` = the policy's own batched forward at min(actors, max_batch_size) rows, no server; "
+        "`naive` = every actor calls the shared policy itself.",
+        "",
+        "| payload | actors | ours req/s | TorchRL req/s | x TorchRL | naive req/s | floor req/s "
+        "| ours p50/p99 ms | TorchRL p50/p99 ms | ours/TorchRL mean batch | CPU us/req ours/TorchRL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        o, t, n, f = r.get("ours", {}), r.get("torchrl", {}), r.get("naive", {}), r.get("floor", {})
+        lines.append(
+            f"| {r['payload']} | {r['actors']} {r['mode']} | {o.get('rps', 0):,.0f} | {t.get('rps', 0):,.0f} "
+            f"| **{r['x_torchrl']:.2f}** | {n.get('rps', 0):,.0f} | {f.get('rps', 0):,.0f} "
+            f"| {o.get('p50_ms', 0):.2f}/{o.get('p99_ms', 0):.2f} | {t.get('p50_ms', 0):.2f}/{t.get('p99_ms', 0):.2f} "
+            f"| {o.get('mean_batch', 0):.1f}/{t.get('mean_batch', 0):.1f} "
+            f"| {o.get('cpu_us', 0):.0f}/{t.get('cpu_us', 0):.0f} |"
+        )
+    lines += [
+        "",
+        f"One actor (vector): bare forward of one row {overhead['bare_forward_us']:.0f} us; latency added over it: "
+        f"ours {overhead['ours']:.0f} us, TorchRL {overhead['torchrl']:.0f} us.",
+        "",
+        "## The targets of issue #3",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+    ] + [f"| {name} | {value} | {'yes' if ok else 'no'} |" for name, value, ok in checks]
+    if plot is not None:
+        lines += ["", f"![throughput vs actors]({plot.name})"]
+    lines += ["", "Reproduce: `make bench` (or `python benchmarks/run.py [--quick] [--repeats N]`).", ""]
+    path.write_text("\n".join(lines))
+
+
+def make_plot(rows: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, payload in zip(axes, ("vector", "pixels")):
+        rs = [r for r in rows if r["payload"] == payload and r["mode"] == "threads"]
+        xs = [r["actors"] for r in rs]
+        for system, style in (("ours", "o-"), ("torchrl", "s-"), ("naive", "^--"), ("floor", "k:")):
+            ys = [r.get(system, {}).get("rps", float("nan")) for r in rs]
+            ax.plot(
+                xs,
+                ys,
+                style,
+                label={
+                    "ours": "torchrl_batchserve",
+                    "torchrl": "TorchRL InferenceServer",
+                    "naive": "naive (each actor calls the model)",
+                    "floor": "floor (batched forward alone)",
+                }[system],
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("actor threads")
+        ax.set_ylabel("requests / s")
+        ax.set_title(f"{payload} payload")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test, not a measurement")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=0.002)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument("--only", default=None, help="comma list of payloads to run (vector,pixels)")
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    torch.set_num_threads(1)
+    results: list[Measurement] = []
+    todo = [s for s in scenarios(args.quick) if not args.only or s[0] in args.only.split(",")]
+    for repeat in range(args.repeats):
+        for payload in sorted({s[0] for s in todo}):
+            for batch in sorted({min(s[2], args.max_batch_size) for s in todo if s[0] == payload} | {1}):
+                results.append(measure_floor(payload, batch, repeat, 256 if args.quick else 2048))
+        for payload, mode, actors, total in todo:
+            for system in ("ours", "torchrl", "naive"):
+                m = measure(system, payload, mode, actors, repeat, total, args)
+                results.append(m)
+                print(
+                    f"[{repeat}] {payload:6s} {actors:5d} {mode:7s} {system:8s} {m.rps:9.0f} req/s "
+                    f"p50 {m.p50_ms:7.2f} p99 {m.p99_ms:7.2f} ms batch {m.mean_batch:5.1f} cpu {m.cpu_us:6.0f} us",
+                    flush=True,
+                )
+    rows = summarize(results, args.max_batch_size)
+    overhead = single_actor_overhead(results)
+    checks = criteria(rows, overhead) if not args.only else []
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "benchmarks_quick" if args.quick else "benchmarks"
+    plot = make_plot(rows, args.out / f"{name}.png")
+    write_report(rows, overhead, checks, args, args.out / f"{name}.md", plot)
+    results_dir = ROOT / "benchmarks" / "results"
+    results_dir.mkdir(exist_ok=True)
+    (results_dir / f"{name}.json").write_text(json.dumps([asdict(m) for m in results], indent=1))
+    for name_, value, ok in checks:
+        print(f"{'PASS' if ok else 'MISS'}  {name_}: {value}")
+    return {"rows": rows, "overhead": overhead, "checks": checks}
+
+
+if __name__ == "__main__":
+    main()
