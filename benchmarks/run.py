@@ -382,6 +382,9 @@ def make_plot(rows: list[dict], path: Path) -> Path | None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, payload in zip(axes, ("vector", "pixels")):
         rs = [r for r in rows if r["payload"] == payload and r["mode"] == "threads"]
+        if not rs:
+            ax.set_visible(False)
+            continue
         xs = [r["actors"] for r in rs]
         for system, style in (("ours", "o-"), ("torchrl", "s-"), ("naive", "^--"), ("floor", "k:")):
             ys = [r.get(system, {}).get("rps", float("nan")) for r in rs]

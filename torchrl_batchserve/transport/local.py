@@ -76,5 +76,10 @@ class LocalEndpoint:
         """Serve ``td`` from a coroutine, batched with every other task and thread."""
         loop = asyncio.get_running_loop()
         request: AsyncRequest = self._request(AsyncRequest, td, asyncio.current_task(), loop=loop)
-        self.queue.put(request)
+        # The coroutine whose request completes a batch runs it on the loop
+        # thread: no hand-off to the worker, whose forward would otherwise
+        # fight this thread for the GIL. The loop runs nothing else meanwhile.
+        batch = self.queue.put(request, may_serve=True)
+        if batch is not None:
+            self._serve(*batch)
         return await request.future
