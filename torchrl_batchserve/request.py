@@ -220,7 +220,7 @@ class AsyncRequest(Request):
             self.future.set_exception(err)
 
 
-def _settle(requests: Sequence[AsyncRequest]) -> None:
+def _settle(requests: Sequence[Any]) -> None:
     for request in requests:
         request._settle()
 
