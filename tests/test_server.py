@@ -498,3 +498,25 @@ def test_update_weights_stamps_new_version_on_results(policy, net):
         torch.testing.assert_close(after["logits"], new(after["observation"]))
         torch.testing.assert_close(last["logits"], new(last["observation"]))
     assert server.statistics().weight_updates == 2
+
+
+class SideEffect(TensorDictModuleBase):
+    """A policy that writes nothing back (no out_keys): callers still complete."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_keys, self.out_keys, self.seen = ["observation"], [], 0
+
+    def forward(self, td):
+        self.seen += td.batch_size[0]
+        return td
+
+
+def test_requests_complete_when_nothing_is_delivered():
+    policy = SideEffect()
+    with BatchedPolicyServer(policy, policy_version_key=None) as server:
+        remote = server.remote_policy()
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(remote, [obs() for _ in range(20)]))
+        assert asyncio.run(remote.acall(obs())) is not None
+    assert len(outs) == 20 and policy.seen == 21

@@ -244,7 +244,8 @@ def resolve(requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[
     by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
     head: BlockingRequest | None = None
     tail: BlockingRequest | None = None
-    for request, values in zip(requests, zip(*columns)):
+    rows = zip(*columns) if columns else [()] * len(requests)
+    for request, values in zip(requests, rows):
         if request.done:
             continue
         if request.loop is not None:
