@@ -367,7 +367,16 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, path
     ] + [f"| {name} | {value} | {'yes' if ok else 'no'} |" for name, value, ok in checks]
     if plot is not None:
         lines += ["", f"![throughput vs actors]({plot.name})"]
-    lines += ["", "Reproduce: `make bench` (or `python benchmarks/run.py [--quick] [--repeats N]`).", ""]
+    lines += [
+        "",
+        "Why actor threads gain less than asyncio tasks: each blocking thread must be woken by a futex call with the "
+        'GIL held, which costs tens of microseconds on a small VM; see `docs/design.md`, "What still limits many '
+        'threads". The floor is far above both servers for the vector payload: the per-request cost is the server, '
+        "not the forward.",
+        "",
+        "Reproduce: `make bench` (or `python benchmarks/run.py [--quick] [--repeats N]`).",
+        "",
+    ]
     path.write_text("\n".join(lines))
 
 
