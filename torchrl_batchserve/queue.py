@@ -185,10 +185,6 @@ class RequestQueue:
             self._cond.notify_all()
         return pending
 
-    def pending_rows(self) -> int:
-        with self._cond:
-            return self._rows
-
     def _closed_error(self) -> ServerClosedError | ServerBrokenError:
         if self._broken is not None:
             error = ServerBrokenError(f"the serve loop died: {self._broken!r}")

@@ -100,20 +100,20 @@ class Request:
 
     def finish(self, keys: Sequence[Any], values: Sequence[Any]) -> None:
         """Store the outputs of this request and wake its caller."""
-        if self.done:
-            return
-        self.done = True
-        self.keys = keys
-        self.values = values
-        self._wake()
+        if self._store(keys, values, None):
+            self._wake()
 
     def fail(self, error: BaseException) -> None:
         """Complete this request with ``error`` and wake its caller."""
+        if self._store((), (), error):
+            self._wake()
+
+    def _store(self, keys: Sequence[Any], values: Sequence[Any], error: BaseException | None) -> bool:
+        """Record the outcome once; False if the request was already completed."""
         if self.done:
-            return
-        self.done = True
-        self.error = error
-        self._wake()
+            return False
+        self.done, self.keys, self.values, self.error = True, keys, values, error
+        return True
 
     def _wake(self) -> None:
         raise NotImplementedError
@@ -246,28 +246,21 @@ def resolve(requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[
     tail: BlockingRequest | None = None
     rows = zip(*columns) if columns else [()] * len(requests)
     for request, values in zip(requests, rows):
-        if request.done:
-            continue
         if request.loop is not None:
-            request.done, request.keys, request.values = True, keys, values
-            by_loop.setdefault(request.loop, []).append(request)
+            if request._store(keys, values, None):
+                by_loop.setdefault(request.loop, []).append(request)
         elif type(request) is BlockingRequest and request.caller != me:
-            request.done, request.keys, request.values = True, keys, values
-            if tail is None:
-                head = request
-            else:
-                tail.next = request
-            tail = request
+            if request._store(keys, values, None):
+                if tail is None:
+                    head = request
+                else:
+                    tail.next = request
+                tail = request
         else:
             request.finish(keys, values)
     if head is not None:
         head._lock.release()
-    running = asyncio._get_running_loop()
-    for loop, group in by_loop.items():
-        if loop is running:
-            loop.call_soon(_settle, group)
-        else:
-            _call_in_loop(loop, _settle, group)
+    _settle_by_loop(by_loop)
 
 
 def fail_all(requests: Sequence[Request], error: BaseException) -> None:
@@ -276,12 +269,19 @@ def fail_all(requests: Sequence[Request], error: BaseException) -> None:
     for request in requests:
         if request.loop is None:
             request.fail(error)
-        elif not request.done:
-            request.done = True
-            request.error = error
+        elif request._store((), (), error):
             by_loop.setdefault(request.loop, []).append(request)
+    _settle_by_loop(by_loop)
+
+
+def _settle_by_loop(by_loop: dict[asyncio.AbstractEventLoop, list[Request]]) -> None:
+    # One call per event loop; no self-pipe write for the loop running here.
+    running = asyncio._get_running_loop()
     for loop, group in by_loop.items():
-        _call_in_loop(loop, _settle, group)
+        if loop is running:
+            loop.call_soon(_settle, group)
+        else:
+            _call_in_loop(loop, _settle, group)
 
 
 def write_outputs(td: TensorDictBase, keys: Sequence[Any], values: Sequence[Any]) -> None:
