@@ -9,8 +9,8 @@ from torchrl_batchserve.queue import FireReason, RequestQueue
 
 
 class R:
-    def __init__(self, rows=1, caller="a", enqueued_at=0.0):
-        self.rows, self.caller, self.enqueued_at = rows, caller, enqueued_at
+    def __init__(self, rows=1, caller="a", enqueued_at=0.0, cost=0):
+        self.rows, self.caller, self.enqueued_at, self.cost = rows, caller, enqueued_at, cost
 
 
 def test_full_fires_at_max_rows_and_never_splits_requests():
@@ -24,6 +24,21 @@ def test_full_fires_at_max_rows_and_never_splits_requests():
     q.done_serving([])
     batch, reason = q.take_batch()
     assert reason is FireReason.FULL and [r.rows for r in batch] == [3, 1]
+
+
+def test_cost_bound_caps_batches_and_fires_when_reached():
+    q = RequestQueue(max_batch_size=64, timeout=1e9, max_batch_cost=100)
+    q.done_serving(["someone-idle"])
+    q.put(R(cost=60))
+    assert q.put(R(cost=30), may_serve=True) is None  # 90 < 100, rows < 64: keep waiting
+    batch = q.put(R(cost=20), may_serve=True)  # 110 >= 100: full by cost
+    assert batch is not None
+    requests, reason = batch
+    assert reason is FireReason.FULL and [r.cost for r in requests] == [60, 30]  # + 20 would exceed 100
+    q.done_serving([])
+    q.close()
+    requests, reason = q.take_batch()
+    assert [r.cost for r in requests] == [20] and reason is FireReason.CLOSING
 
 
 def test_oversized_request_is_taken_alone():

@@ -18,6 +18,7 @@ from torchrl_batchserve.queue import FireReason
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics
+from torchrl_batchserve.varlen import LengthCost, PackCollate, PadCollate
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,9 @@ __all__ = [
     "Collate",
     "FireReason",
     "FunctionCollate",
+    "LengthCost",
+    "PackCollate",
+    "PadCollate",
     "QueueFullError",
     "RemotePolicy",
     "ServerBrokenError",

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_non_tensor
 
 from torchrl_batchserve.request import Request
 
@@ -65,10 +65,10 @@ def split_values(values: Sequence[Any], requests: Sequence[Request], keys: Seque
     single = _all_single(requests)
     columns: list[Sequence[Any]] = []
     for key, value in zip(keys, values):
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor) and (is_non_tensor(value) or not isinstance(value, TensorDictBase)):
             columns.append(_split_non_tensor(value, requests, total))
             continue
-        if value.ndim == 0 or value.shape[0] != total:
+        if not value.shape or value.shape[0] != total:
             raise RuntimeError(
                 f"the policy output {key!r} has shape {tuple(value.shape)}; "
                 f"its leading dim must be the batch's {total} rows"
@@ -97,7 +97,13 @@ def _split_non_tensor(value: Any, requests: Sequence[Request], total: int) -> li
     for request in requests:
         chunk = items[start : start + request.rows]
         start += request.rows
-        column.append(chunk[0] if not request.batch_shape else chunk)
+        shape = request.batch_shape
+        if not shape:
+            column.append(chunk[0])
+        else:
+            for size in reversed(shape[1:]):  # regroup the flat rows by the request's batch shape
+                chunk = [chunk[i : i + size] for i in range(0, len(chunk), size)]
+            column.append(chunk)
     return column
 
 
@@ -143,30 +149,45 @@ class StackCollate:
     def stack(self, requests: Sequence[Request], total: int) -> list[Any]:
         """The batched value of each key, in the order of the requests' inputs."""
         single = _all_single(requests)
-        values: list[Any] = []
-        for j in range(len(requests[0].inputs)):
-            tensors = [r.inputs[j] for r in requests]
-            first = tensors[0]
-            if not isinstance(first, torch.Tensor):
-                values.append(_stack_non_tensor(tensors, requests))
-                continue
-            if not single:
-                tensors = [t if r.batch_shape else t.unsqueeze(0) for t, r in zip(tensors, requests)]
-            if self.pin_memory and first.device.type == "cpu":
-                feature = tensors[0].shape if single else tensors[0].shape[1:]
-                out = torch.empty((total, *feature), dtype=first.dtype, pin_memory=True)
-                values.append(torch.stack(tensors, out=out) if single else torch.cat(tensors, out=out))
-            else:
-                values.append(torch.stack(tensors) if single else torch.cat(tensors))
-        return values
+        pin = self.pin_memory
+        return [
+            stack_column([r.inputs[j] for r in requests], requests, total, single, pin)
+            for j in range(len(requests[0].inputs))
+        ]
 
     def split(self, output: TensorDictBase, requests: Sequence[Request], keys: Sequence[Any]) -> list[Sequence[Any]]:
         return split_rows(output, requests, keys)
 
 
-def _stack_non_tensor(items: list[Any], requests: Sequence[Request]) -> Any:
-    from tensordict import NonTensorStack
+def stack_column(
+    items: list[Any], requests: Sequence[Request], total: int, single: bool | None = None, pin_memory: bool = False
+) -> Any:
+    """Batch one key: ``items[i]`` is request ``i``'s value (a row, or ``(rows, ...)``).
 
+    Tensors and nested TensorDicts are stacked (single rows) or concatenated;
+    non-tensor data becomes a ``NonTensorStack`` of one item per row.
+    """
+    if single is None:
+        single = _all_single(requests)
+    first = items[0]
+    if not isinstance(first, torch.Tensor):
+        if is_non_tensor(first) or not isinstance(first, TensorDictBase):
+            return _stack_non_tensor(items, requests)
+        return torch.stack(items) if single else torch.cat(_as_rows(items, requests))
+    if not single:
+        items = _as_rows(items, requests)
+    if pin_memory and first.device.type == "cpu":
+        feature = first.shape if single else items[0].shape[1:]
+        out = torch.empty((total, *feature), dtype=first.dtype, pin_memory=True)
+        return torch.stack(items, out=out) if single else torch.cat(items, out=out)
+    return torch.stack(items) if single else torch.cat(items)
+
+
+def _as_rows(items: list[Any], requests: Sequence[Request]) -> list[Any]:
+    return [t if r.batch_shape else t.unsqueeze(0) for t, r in zip(items, requests)]
+
+
+def _stack_non_tensor(items: list[Any], requests: Sequence[Request]) -> Any:
     flat: list[Any] = []
     for item, request in zip(items, requests):
         if request.batch_shape:

@@ -12,7 +12,9 @@ arguments. A server is described in YAML as
       output_device: null
       max_queue_size: null
       policy_version_key: policy_version
-      collate: null            # or {_target_: torchrl_batchserve.StackCollate}
+      cost_fn: null            # or {_target_: torchrl_batchserve.LengthCost, key: tokens}
+      max_batch_cost: null
+      collate: null            # or {_target_: torchrl_batchserve.PadCollate, keys: [tokens]}
 
 and built with :func:`build_server` around a policy made by the caller.
 """
@@ -34,7 +36,8 @@ __all__ = ["ServerConfig", "build_server", "register_configs"]
 class ServerConfig:
     """The keyword arguments of :class:`~torchrl_batchserve.BatchedPolicyServer`.
 
-    ``collate`` is a Hydra node with ``_target_`` (instantiated), or ``None``.
+    ``collate`` and ``cost_fn`` are Hydra nodes with ``_target_``
+    (instantiated), or ``None``.
 
     Examples:
         >>> import torch
@@ -52,6 +55,8 @@ class ServerConfig:
     device: str | None = None
     output_device: str | None = None
     max_queue_size: int | None = None
+    cost_fn: Any = None
+    max_batch_cost: int | None = None
     policy_version_key: str | None = "policy_version"
     collate: Any = None
 
@@ -60,11 +65,11 @@ def build_server(cfg: DictConfig | ServerConfig | dict, policy: Any, **overrides
     """Build a :class:`BatchedPolicyServer` for ``policy`` from a server config node."""
     node = OmegaConf.merge(OmegaConf.structured(ServerConfig), cfg)
     kwargs: dict[str, Any] = OmegaConf.to_container(node, resolve=True)  # type: ignore[assignment]
-    collate = kwargs.pop("collate")
-    if collate is not None:
-        collate = instantiate(collate)
+    for name in ("collate", "cost_fn"):
+        if kwargs[name] is not None:
+            kwargs[name] = instantiate(getattr(node, name), _convert_="all")
     kwargs.update(overrides)
-    return BatchedPolicyServer(policy, collate=collate, **kwargs)
+    return BatchedPolicyServer(policy, **kwargs)
 
 
 def register_configs() -> None:

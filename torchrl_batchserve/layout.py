@@ -6,29 +6,69 @@ It is provisional until a batch built on it has run: if that first batch fails,
 the layout is forgotten, so one malformed first request cannot lock every later
 one out. A collate transform can declare keys it writes itself
 (``provided_keys``) and feature dims that may vary between requests
-(``variable_dims``, e.g. the sequence length that a padding collate pads).
+(``variable_dims``, e.g. the sequence length that a padding collate pads),
+and a ``check`` of its own for what the layout cannot express (e.g. that the
+padded entries of one request share one length).
+
+An entry is one of three kinds, fixed by the first request: a tensor (dtype,
+feature shape, device), a nested TensorDict (the dtype and feature shape of
+each of its leaves) or non-tensor data (``NonTensorData``, e.g. a game's FEN
+string), which travels as is.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_non_tensor
 
 from torchrl_batchserve.errors import BadRequestError
 
 __all__ = ["KeySpec", "Layout", "Validated"]
 
 
+Fields = tuple[tuple[tuple[str, ...], Any, Any], ...]  # (leaf path, dtype, feature shape)
+
+
 class KeySpec(NamedTuple):
-    """What one in_key must hold: ``None`` in ``shape`` marks a dim that may vary."""
+    """What one in_key must hold: ``None`` in ``shape`` marks a dim that may vary.
+
+    A tensor has a ``dtype``; a nested TensorDict has ``fields`` (leaf key,
+    dtype, feature shape); non-tensor data has neither.
+    """
 
     dtype: torch.dtype | None
     shape: tuple[int | None, ...] | None
     device: torch.device | None
+    fields: Fields | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.dtype is not None:
+            return "tensor"
+        return "tensordict" if self.fields is not None else "non-tensor"
+
+
+def _fields(td: TensorDictBase, batch_dims: int) -> Fields:
+    fields: list[tuple[tuple[str, ...], Any, Any]] = []
+    for key, leaf in td.items(include_nested=True, leaves_only=True):
+        path = (key,) if isinstance(key, str) else tuple(key)
+        if isinstance(leaf, torch.Tensor):
+            fields.append((path, leaf.dtype, tuple(leaf.shape[batch_dims:])))
+        else:
+            fields.append((path, None, None))
+    return tuple(sorted(fields, key=lambda f: f[0]))
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, TensorDictBase) and not is_non_tensor(value):
+        return "tensordict"
+    return "non-tensor"
 
 
 class Validated(NamedTuple):
@@ -36,6 +76,7 @@ class Validated(NamedTuple):
     rows: int
     batch_shape: torch.Size
     device: torch.device | None
+    cost: int = 0
 
 
 def _get(td: TensorDictBase, key: Any) -> Any:
@@ -53,6 +94,12 @@ class Layout:
         variable_dims: per key, the feature dims (counted after the batch
             dims) whose size may differ between requests.
         specs: an explicit layout; otherwise the first request fixes it.
+        check: ``check(keys, values, batch_dims)`` run on every request after
+            the layout checks (the collate's own rules); raises
+            :class:`BadRequestError`.
+        cost_fn: ``cost_fn(td) -> int``, a request's share of ``max_cost``.
+        max_cost: the most a batch may cost; a request costing more alone is
+            refused.
 
     Examples:
         >>> import torch
@@ -74,8 +121,14 @@ class Layout:
         keys: Sequence[Any],
         variable_dims: Mapping[Any, Sequence[int]] | None = None,
         specs: Sequence[KeySpec] | None = None,
+        check: Callable[[Sequence[Any], Sequence[Any], int], None] | None = None,
+        cost_fn: Callable[[TensorDictBase], int] | None = None,
+        max_cost: int | None = None,
     ) -> None:
         self.keys = tuple(keys)
+        self._check = check
+        self._cost_fn = cost_fn
+        self._max_cost = max_cost
         self._variable = {key: tuple(dims) for key, dims in (variable_dims or {}).items()}
         self._specs: tuple[KeySpec, ...] | None = tuple(specs) if specs is not None else None
         self._confirmed = specs is not None
@@ -106,9 +159,19 @@ class Layout:
         device = None
         for key, value, spec in zip(self.keys, values, specs):
             if not isinstance(value, torch.Tensor):
-                if spec.dtype is not None or isinstance(value, TensorDictBase):
-                    raise BadRequestError(f"key {key!r}: expected a tensor, got {type(value).__name__}")
+                kind = _kind(value)
+                if kind != spec.kind:
+                    raise BadRequestError(f"key {key!r}: expected {_an(spec.kind)}, got {type(value).__name__}")
+                if kind == "tensordict":
+                    fields = _fields(value, batch_dims)
+                    if fields != spec.fields:
+                        raise BadRequestError(
+                            f"key {key!r}: expected a TensorDict with leaves {_fmt_fields(spec.fields)}, "
+                            f"got {_fmt_fields(fields)}"
+                        )
                 continue  # non-tensor data (e.g. a string) travels as is
+            if spec.dtype is None:
+                raise BadRequestError(f"key {key!r}: expected {_an(spec.kind)}, got a tensor")
             if value.dtype != spec.dtype:
                 raise BadRequestError(f"key {key!r}: expected dtype {spec.dtype}, got {value.dtype}")
             feature = value.shape[batch_dims:]
@@ -120,6 +183,8 @@ class Layout:
             if value.device != spec.device:
                 raise BadRequestError(f"key {key!r}: expected device {spec.device}, got {value.device}")
             device = spec.device
+        if self._check is not None:
+            self._check(self.keys, values, batch_dims)
         if batch_dims == 0:
             rows = 1
         else:
@@ -127,10 +192,21 @@ class Layout:
             if rows == 0:
                 raise BadRequestError(f"a request needs at least one row, got batch size {list(batch_shape)}")
             if batch_dims > 1:
-                values = [v.reshape(rows, *v.shape[batch_dims:]) if isinstance(v, torch.Tensor) else v for v in values]
+                values = [_flatten(v, rows, batch_dims) for v in values]
         if td.device is not None:
             device = td.device
-        return Validated(tuple(values), rows, batch_shape, device)
+        cost = 0 if self._cost_fn is None else self._cost(td)
+        return Validated(tuple(values), rows, batch_shape, device, cost)
+
+    def _cost(self, td: TensorDictBase) -> int:
+        cost = self._cost_fn(td)  # type: ignore[misc]
+        if isinstance(cost, torch.Tensor) and cost.numel() == 1:
+            cost = int(cost)
+        if isinstance(cost, bool) or not isinstance(cost, int) or cost < 0:
+            raise BadRequestError(f"cost_fn must return an int >= 0 for each request, got {cost!r}")
+        if self._max_cost is not None and cost > self._max_cost:
+            raise BadRequestError(f"the request costs {cost} (cost_fn), more than max_batch_cost={self._max_cost}")
+        return cost
 
     def confirm(self) -> None:
         """A batch built on this layout ran: keep it for good."""
@@ -145,12 +221,15 @@ class Layout:
     def _establish(self, values: list[Any], batch_dims: int) -> tuple[KeySpec, ...]:
         specs = []
         for key, value in zip(self.keys, values):
-            if isinstance(value, torch.Tensor):
+            kind = _kind(value)
+            if kind == "tensor":
                 shape: list[int | None] = list(value.shape[batch_dims:])
                 for dim in self._variable.get(key, ()):
-                    if dim < len(shape):
+                    if -len(shape) <= dim < len(shape):
                         shape[dim] = None
                 specs.append(KeySpec(value.dtype, tuple(shape), value.device))
+            elif kind == "tensordict":
+                specs.append(KeySpec(None, None, None, _fields(value, batch_dims)))
             else:
                 specs.append(KeySpec(None, None, None))
         with self._lock:
@@ -164,6 +243,29 @@ class Layout:
         if key not in self._variable:
             return feature == expected
         return len(feature) == len(expected) and all(e is None or e == f for f, e in zip(feature, expected))
+
+
+def _flatten(value: Any, rows: int, batch_dims: int) -> Any:
+    if isinstance(value, torch.Tensor) or _kind(value) == "tensordict":
+        return value.reshape(rows, *value.shape[batch_dims:])
+    items = value.tolist() if hasattr(value, "tolist") else value
+    for _ in range(batch_dims - 1):
+        items = [item for sub in items for item in sub]
+    return items
+
+
+def _an(kind: str) -> str:
+    return {"tensor": "a tensor", "tensordict": "a nested TensorDict", "non-tensor": "non-tensor data"}[kind]
+
+
+def _fmt_fields(fields: Fields | None) -> str:
+    if not fields:
+        return "{}"
+    parts = []
+    for path, dtype, shape in fields:
+        name = ".".join(path)
+        parts.append(f"{name}: non-tensor" if dtype is None else f"{name}: {dtype} {tuple(shape)}")
+    return "{" + ", ".join(parts) + "}"
 
 
 def _fmt(shape: tuple[int | None, ...] | None) -> str:

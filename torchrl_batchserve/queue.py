@@ -2,7 +2,8 @@
 
 The rule, in :meth:`RequestQueue.take_batch` and nowhere else:
 
-1. ``full``: as soon as ``max_batch_size`` rows are queued, take them;
+1. ``full``: as soon as ``max_batch_size`` rows are queued (or requests
+   whose costs add up to ``max_batch_cost``), take them;
 2. ``all_waiting``: if every caller the queue knows of is already waiting,
    waiting longer cannot grow the batch: take what is queued;
 3. ``timeout``: once ``timeout`` seconds have passed since the oldest queued
@@ -16,8 +17,10 @@ caller is idle. A caller that does not come back before a batch fires on
 timeout is forgotten, so actors that leave never hold batches back for longer
 than one timeout.
 
-Requests are taken whole and in arrival order; a request is split across
-forwards only when it alone exceeds ``max_batch_size`` (the server does that).
+Requests are taken whole and in arrival order, as many as fit both bounds; a
+request is split across forwards only when it alone exceeds ``max_batch_size``
+(the server does that; a request whose cost alone exceeds ``max_batch_cost`` is
+refused before it is queued).
 
 Who runs a batch: one batch runs at a time (the *serving* token, held under
 the queue's lock). When a blocking caller's own request makes the rule fire
@@ -31,6 +34,7 @@ request.
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from collections import deque
@@ -59,13 +63,15 @@ class RequestQueue:
         max_batch_size: rows that make a batch full.
         timeout: seconds the oldest request may wait for a fuller batch.
         max_queue_size: the most rows that may be queued; ``None`` for no bound.
+        max_batch_cost: the most total ``Request.cost`` a batch may hold;
+            ``None`` for no bound.
 
     Examples:
         >>> import torch
         >>> from torchrl_batchserve.queue import RequestQueue
         >>> q = RequestQueue(max_batch_size=2, timeout=10.0)
-        >>> class R:  # anything with rows, caller and enqueued_at
-        ...     rows, caller, enqueued_at = 1, None, 0.0
+        >>> class R:  # anything with rows, cost, caller and enqueued_at
+        ...     rows, cost, caller, enqueued_at = 1, 0, None, 0.0
         >>> q.put(R()); q.put(R()); q.put(R())
         >>> batch, reason = q.take_batch()
         >>> len(batch), reason.value
@@ -73,13 +79,21 @@ class RequestQueue:
         >>> q.done_serving([None])
     """
 
-    def __init__(self, max_batch_size: int, timeout: float, max_queue_size: int | None = None) -> None:
+    def __init__(
+        self,
+        max_batch_size: int,
+        timeout: float,
+        max_queue_size: int | None = None,
+        max_batch_cost: int | None = None,
+    ) -> None:
         self._max_batch_size = max_batch_size
+        self._max_batch_cost = math.inf if max_batch_cost is None else max_batch_cost
         self._timeout = timeout
         self._max_queue_size = max_queue_size
         self._cond = threading.Condition(threading.Lock())
         self._items: deque[Request] = deque()
         self._rows = 0
+        self._cost = 0
         self._idle: set[Any] = set()
         self._queued_by_caller: dict[Any, int] = {}
         self._closed = False
@@ -108,12 +122,13 @@ class RequestQueue:
             was_empty = not self._items
             self._items.append(request)
             self._rows += request.rows
+            self._cost += request.cost
             caller = request.caller
             self._queued_by_caller[caller] = self._queued_by_caller.get(caller, 0) + 1
             self._idle.discard(caller)
             if self._serving:
                 return None  # done_serving() looks at the queue next
-            if self._rows >= self._max_batch_size:
+            if self._full():
                 reason = FireReason.FULL
             elif not self._idle:
                 reason = FireReason.ALL_WAITING
@@ -136,7 +151,7 @@ class RequestQueue:
         with self._cond:
             while True:
                 if self._items and not self._serving:
-                    if self._rows >= self._max_batch_size:
+                    if self._full():
                         reason = FireReason.FULL
                     elif self._closed:
                         reason = FireReason.CLOSING
@@ -185,6 +200,9 @@ class RequestQueue:
             self._cond.notify_all()
         return pending
 
+    def _full(self) -> bool:
+        return self._rows >= self._max_batch_size or self._cost >= self._max_batch_cost
+
     def _closed_error(self) -> ServerClosedError | ServerBrokenError:
         if self._broken is not None:
             error = ServerBrokenError(f"the serve loop died: {self._broken!r}")
@@ -197,18 +215,21 @@ class RequestQueue:
         self._items.clear()
         self._queued_by_caller.clear()
         self._rows = 0
+        self._cost = 0
         return pending
 
     def _pop(self) -> list[Request]:
         items = self._items
-        limit = self._max_batch_size
+        limit, cost_limit = self._max_batch_size, self._max_batch_cost
         taken = [items.popleft()]
-        rows = taken[0].rows
-        while items and rows + items[0].rows <= limit:
+        rows, cost = taken[0].rows, taken[0].cost
+        while items and rows + items[0].rows <= limit and cost + items[0].cost <= cost_limit:
             request = items.popleft()
             taken.append(request)
             rows += request.rows
+            cost += request.cost
         self._rows -= rows
+        self._cost -= cost
         queued = self._queued_by_caller
         for request in taken:
             left = queued[request.caller] - 1

@@ -53,15 +53,22 @@ class Request:
         interaction: the caller's tensordict interaction type, under which its
             batch runs.
         device: where the outputs go.
+        cost: the request's share of ``max_batch_cost`` (the server's
+            ``cost_fn``; 0 when batches are bounded by rows only).
+
+    ``extra`` is the collate's per-request note between ``collate`` and
+    ``split`` (e.g. the length a padding collate trims outputs back to).
     """
 
     __slots__ = (
         "batch_shape",
         "caller",
+        "cost",
         "device",
         "done",
         "enqueued_at",
         "error",
+        "extra",
         "inputs",
         "interaction",
         "keys",
@@ -80,6 +87,7 @@ class Request:
         caller: Any,
         interaction: InteractionType | None,
         device: torch.device | None,
+        cost: int = 0,
     ) -> None:
         self.td = td
         self.inputs = inputs
@@ -88,6 +96,8 @@ class Request:
         self.caller = caller
         self.interaction = interaction
         self.device = device
+        self.cost = cost
+        self.extra: Any = None
         self.enqueued_at = time.monotonic()
         self.keys: Sequence[Any] = ()
         self.values: Sequence[Any] = ()

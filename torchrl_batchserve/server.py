@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -102,6 +102,11 @@ class BatchedPolicyServer(TensorDictModule):
         output_device: where results go; default: each request's own device.
         max_queue_size: most rows that may wait; more raise
             :class:`~torchrl_batchserve.errors.QueueFullError`. Default: no bound.
+        cost_fn: ``cost_fn(td) -> int``, what a request costs (e.g.
+            :class:`~torchrl_batchserve.LengthCost`: its tokens); with
+            ``max_batch_cost``, a batch also stops growing at that total, and a
+            request costing more alone is refused at submit.
+        max_batch_cost: the bound on a batch's total cost (needs ``cost_fn``).
         policy_version_key: key under which each result carries the version of
             the weights that computed it; ``None`` disables the stamp.
         in_keys, out_keys: for a plain ``nn.Module`` policy.
@@ -134,6 +139,8 @@ class BatchedPolicyServer(TensorDictModule):
         device: torch.device | str | None = None,
         output_device: torch.device | str | None = None,
         max_queue_size: int | None = None,
+        cost_fn: Callable[[TensorDictBase], int] | None = None,
+        max_batch_cost: int | None = None,
         policy_version_key: NestedKey | None = "policy_version",
         in_keys: Sequence[NestedKey] | None = None,
         out_keys: Sequence[NestedKey] | None = None,
@@ -148,6 +155,14 @@ class BatchedPolicyServer(TensorDictModule):
             raise ValueError(f"timeout must be a finite number of seconds >= 0 (got {timeout!r})")
         if max_queue_size is not None:
             _check_int("max_queue_size", max_queue_size, 1)
+        if (cost_fn is None) != (max_batch_cost is None):
+            raise ValueError(
+                f"cost_fn and max_batch_cost go together (got cost_fn={cost_fn!r}, max_batch_cost={max_batch_cost!r})"
+            )
+        if max_batch_cost is not None:
+            _check_int("max_batch_cost", max_batch_cost, 1)
+            if not callable(cost_fn):
+                raise ValueError(f"cost_fn must be callable as cost_fn(td) -> int (got {cost_fn!r})")
         device = _device("device", device)
         output_device = _device("output_device", output_device)
         if collate is None and device is not None and device.type == "cuda":
@@ -168,8 +183,15 @@ class BatchedPolicyServer(TensorDictModule):
         self._policy_device = device
         self._output_device = output_device
         self._delivered = list(self.out_keys) + ([policy_version_key] if policy_version_key is not None else [])
-        self._layout = Layout([k for k in self.in_keys if k not in provided], getattr(collate, "variable_dims", None))
-        self._queue = RequestQueue(max_batch_size, self.timeout, max_queue_size)
+        keys = [k for k in self.in_keys if k not in provided]
+        variable = getattr(collate, "variable_dims", None) or {}
+        unread = [k for k in variable if k not in keys]
+        if unread:
+            raise ValueError(f"collate {collate!r} varies {unread}; the policy reads {keys} from requests")
+        self.max_batch_cost = max_batch_cost
+        check = getattr(collate, "check", None)
+        self._layout = Layout(keys, variable, check=check, cost_fn=cost_fn, max_cost=max_batch_cost)
+        self._queue = RequestQueue(max_batch_size, self.timeout, max_queue_size, max_batch_cost)
         self._stats = StatisticsRecorder()
         self._weights = ShadowWeights(policy)
         self._lifecycle = threading.Lock()
@@ -364,14 +386,21 @@ class BatchedPolicyServer(TensorDictModule):
         source = group[0].device
         run_on = self._policy_device or source
         target = self._output_device or source
-        if self._direct is not None and usable(self.module):
-            values = self._run_direct(group, rows, run_on)
-        else:
-            values = self._run_module(group, rows, run_on)
+        version = self._weights.version
+        if self._direct is None or not usable(self.module):
+            output = self._run_module(group, rows, run_on)
+            if self.policy_version_key is not None:
+                output.set(self.policy_version_key, torch.full((rows,), version, dtype=torch.long, device=run_on))
+            if target is not None and target != run_on:
+                output = output.to(target, non_blocking=True)
+                _sync_to_host(target)
+            return self._collate.split(output, group, self._delivered)
+        values = self._run_direct(group, rows, run_on)
         if self.policy_version_key is not None:
-            values.append(torch.full((rows,), self._weights.version, dtype=torch.long, device=run_on))
+            values.append(torch.full((rows,), version, dtype=torch.long, device=run_on))
         if target is not None and target != run_on:
-            values = _to_device(values, target)
+            values = [v.to(target, non_blocking=True) if isinstance(v, torch.Tensor) else v for v in values]
+            _sync_to_host(target)
         return split_values(values, group, self._delivered)
 
     def _run_direct(self, group: list[Request], rows: int, run_on: torch.device | None) -> list[Any]:
@@ -389,12 +418,12 @@ class BatchedPolicyServer(TensorDictModule):
             ]
         return [torch.cat(parts) for parts in zip(*chunks)]
 
-    def _run_module(self, group: list[Request], rows: int, run_on: torch.device | None) -> list[Any]:
+    def _run_module(self, group: list[Request], rows: int, run_on: torch.device | None) -> TensorDictBase:
         batch = self._collate.collate(group, self._layout.keys)
         if run_on is not None and run_on != group[0].device:
             batch = batch.to(run_on, non_blocking=True)
         with set_interaction_type(group[0].interaction):
-            if rows <= self.max_batch_size:
+            if rows <= self.max_batch_size or not batch.batch_dims:
                 output = self.module(batch)
             else:  # one request larger than a batch: run it in slices
                 output = torch.cat(
@@ -402,17 +431,12 @@ class BatchedPolicyServer(TensorDictModule):
                 )
         if output is None:
             output = batch
-        values = []
-        for key in self.out_keys:
-            value = output.get(key, None)
-            if value is None:
-                raise KeyError(f"the policy output has no entry {key!r} (its out_keys promise it)")
-            values.append(value)
-        return values
+        missing = [key for key in self.out_keys if key not in output.keys(include_nested=True)]
+        if missing:
+            raise KeyError(f"the policy output has no entries {missing} (its out_keys promise them)")
+        return output
 
 
-def _to_device(values: list[Any], device: torch.device) -> list[Any]:
-    moved = [v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for v in values]
+def _sync_to_host(device: torch.device) -> None:
     if device.type == "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()  # non-blocking device-to-host copies must land before callers read
-    return moved

@@ -56,7 +56,7 @@ class LocalEndpoint:
         except BadRequestError:
             self._on_reject()
             raise
-        return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction_type(), v.device, **kwargs)
+        return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction_type(), v.device, v.cost, **kwargs)
 
     def call(self, td: TensorDictBase) -> TensorDictBase:
         """Serve ``td`` and block until its outputs are written into it."""

@@ -1,0 +1,367 @@
+"""Collates for real data: padding, packing, nested and non-tensor entries, cost bounds.
+
+Every request's result is compared to the policy applied to that request
+alone; batches are made deterministic by holding the serve loop in a gated
+first forward while the rest queue up.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import TensorDictModule, TensorDictModuleBase
+from torch import nn
+
+from torchrl_batchserve import (
+    BadRequestError,
+    BatchedPolicyServer,
+    LengthCost,
+    PackCollate,
+    PadCollate,
+    StackCollate,
+)
+
+# -- policies ----------------------------------------------------------------------------
+
+
+class MaskedEncoder(nn.Module):
+    """A one-layer transformer that honours the mask: per-token logits and a pooled value."""
+
+    def __init__(self, features: int = 4, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(features, width)
+        self.layer = nn.TransformerEncoderLayer(width, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(width, 3)
+        self.value = nn.Linear(width, 1)
+        self.eval()
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.layer(self.embed(tokens), src_key_padding_mask=~mask)
+        h = h * mask.unsqueeze(-1)
+        pooled = h.sum(-2) / mask.sum(-1, keepdim=True)
+        return self.head(h), self.value(pooled)
+
+
+def alone(net: MaskedEncoder, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy on one request, unpadded (a leading row dim added and removed)."""
+    rows = tokens.reshape(-1, *tokens.shape[-2:])
+    with torch.no_grad():
+        logits, value = net(rows, torch.ones(rows.shape[:2], dtype=torch.bool))
+    return logits.reshape(*tokens.shape[:-1], 3), value.reshape(*tokens.shape[:-2], 1)
+
+
+class Gated(TensorDictModuleBase):
+    """Wraps a policy; its first forward waits for the test's gate; records every batch."""
+
+    def __init__(self, policy: TensorDictModuleBase) -> None:
+        super().__init__()
+        self.policy = policy
+        self.in_keys, self.out_keys = list(policy.in_keys), list(policy.out_keys)
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.batches: list[TensorDictBase] = []
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        self.batches.append(td.copy())
+        if len(self.batches) == 1:
+            self.entered.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        return self.policy(td)
+
+
+def serve_held(server: BatchedPolicyServer, gated: Gated, first: TensorDictBase, rest: list[TensorDictBase]) -> list:
+    """Submit ``first``, hold the loop in its forward, queue ``rest``, release; return all results."""
+    remote = server.remote_policy()
+    futures = [remote.submit(first)]
+    assert gated.entered.wait(10)
+    futures += [remote.submit(td) for td in rest]
+    gated.gate.set()
+    return [f.result(10) for f in futures]
+
+
+def lengths(n: int, high: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, high + 1, (n,), generator=g).tolist()
+
+
+# -- padding -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("buckets", [None, [4, 8, 16]])
+def test_padded_results_equal_each_request_alone(buckets):
+    net = MaskedEncoder()
+    policy = TensorDictModule(net, in_keys=["tokens", "mask"], out_keys=["logits", "value"])
+    gated = Gated(policy)
+    # a huge pad value: any padding that leaked into a real position would show
+    collate = PadCollate(["tokens"], trim_keys=["logits"], buckets=buckets, pad_values={"tokens": 1e4})
+    tds = [TensorDict(tokens=torch.randn(n, 4)) for n in lengths(24, 16, seed=1)]
+    tds.append(TensorDict(tokens=torch.randn(3, 5, 4), batch_size=[3]))  # three rows of length 5
+    with BatchedPolicyServer(gated, collate=collate, max_batch_size=8, timeout=1e6) as server:
+        outs = serve_held(server, gated, tds[0], tds[1:])
+    for td in outs:
+        logits, value = alone(net, td["tokens"])
+        assert td["logits"].shape == logits.shape  # trimmed back to this request's length
+        torch.testing.assert_close(td["logits"], logits, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(td["value"], value, atol=1e-5, rtol=1e-4)
+    assert "mask" not in outs[0].keys()  # the collate's entry stays in the batch
+    seen = {batch["tokens"].shape[1] for batch in gated.batches}
+    longest = [max(int(m.sum(1).max()) for m in [batch["mask"]]) for batch in gated.batches]
+    if buckets is None:
+        assert [batch["tokens"].shape[1] for batch in gated.batches] == longest  # pad to the batch max
+    else:
+        assert seen <= set(buckets)
+        for batch, n in zip(gated.batches, longest):
+            assert batch["tokens"].shape[1] == min(b for b in buckets if b >= n)
+    assert len(gated.batches) > 2  # batches really mixed lengths
+
+
+def test_mask_marks_exactly_the_real_elements():
+    seen = []
+
+    def record(tokens, mask):
+        seen.append((tokens.clone(), mask.clone()))
+        return tokens.sum(-1)
+
+    policy = TensorDictModule(record, in_keys=["tokens", "mask"], out_keys=["s"])
+    gated = Gated(policy)
+    tds = [TensorDict(tokens=torch.ones(n, 2)) for n in (2, 5, 1)]
+    with BatchedPolicyServer(gated, collate=PadCollate(["tokens"], pad_values={"tokens": -1}), timeout=1e6) as server:
+        serve_held(server, gated, tds[0], tds[1:])
+    tokens, mask = seen[1]  # the batch of the two queued requests
+    assert mask.tolist() == [[True] * 5, [True, False, False, False, False]]
+    assert bool((tokens[~mask] == -1).all()) and bool((tokens[mask] == 1).all())
+
+
+def test_pad_rejects_unequal_lengths_and_lengths_beyond_the_last_bucket():
+    policy = TensorDictModule(lambda a, b, mask: a.sum(-1) + b.sum(-1), in_keys=["a", "b", "mask"], out_keys=["s"])
+    with BatchedPolicyServer(policy, collate=PadCollate(["a", "b"], buckets=[8])) as server:
+        remote = server.remote_policy()
+        with pytest.raises(BadRequestError, match=r"keys \['a', 'b'\].*share one length.*'a': 3, 'b': 4"):
+            remote(TensorDict(a=torch.ones(3), b=torch.ones(4)))
+        with pytest.raises(BadRequestError, match="key 'a': length 9 along dim 0 exceeds the largest bucket 8"):
+            remote(TensorDict(a=torch.ones(9), b=torch.ones(9)))
+        assert remote(TensorDict(a=torch.ones(8), b=torch.ones(8)))["s"] == 16
+        stats = server.statistics()
+    assert stats.rejected_requests == 2 and stats.requests == 1
+
+
+def test_pad_along_an_inner_dim_and_nested_keys():
+    # ("obs", "frames") varies along its feature dim 1: (channels, time)
+    policy = TensorDictModule(
+        lambda frames, mask: (frames.sum(-1), frames * 3),
+        in_keys=[("obs", "frames"), ("obs", "mask")],
+        out_keys=[("out", "total"), ("out", "tripled")],
+    )
+    collate = PadCollate([("obs", "frames")], dim=1, mask_key=("obs", "mask"), trim_keys=[("out", "tripled")])
+    with BatchedPolicyServer(policy, collate=collate, timeout=0.05) as server:
+        remote = server.remote_policy()
+        futures = [remote.submit(TensorDict({"obs": {"frames": torch.rand(2, n)}})) for n in (3, 7)]
+        outs = [f.result(10) for f in futures]
+    for td in outs:
+        frames = td["obs", "frames"]
+        torch.testing.assert_close(td["out", "total"], frames.sum(-1))
+        torch.testing.assert_close(td["out", "tripled"], frames * 3)
+
+
+def test_pad_constructor_errors_name_the_argument():
+    with pytest.raises(ValueError, match="keys must name at least one entry"):
+        PadCollate([])
+    with pytest.raises(ValueError, match="dim must be an int >= 0"):
+        PadCollate(["x"], dim=-1)
+    with pytest.raises(ValueError, match="buckets must be a non-empty list of ints >= 1"):
+        PadCollate(["x"], buckets=[0, 4])
+    with pytest.raises(ValueError, match=r"pad_values names \['y'\]"):
+        PadCollate(["x"], pad_values={"y": 1})
+    policy = TensorDictModule(lambda obs: obs, in_keys=["obs"], out_keys=["out"])
+    with pytest.raises(ValueError, match=r"varies \['tokens'\]; the policy reads \['obs'\]"):
+        BatchedPolicyServer(policy, collate=PadCollate(["tokens"], mask_key=None))
+
+
+# -- packing -------------------------------------------------------------------------------
+
+
+class SetPolicy(nn.Module):
+    """Deep sets over packed elements: a per-set embedding and a per-element score."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.phi, self.rho = nn.Linear(3, 8), nn.Linear(8, 2)
+
+    def forward(self, items, segment_ids, offsets):
+        h = torch.tanh(self.phi(items))
+        sets = torch.zeros(len(offsets) - 1, h.shape[-1]).index_add_(0, segment_ids, h)
+        return self.rho(sets), (h * sets[segment_ids]).sum(-1)
+
+
+def test_packed_results_equal_each_request_alone():
+    net = SetPolicy()
+    policy = TensorDictModule(net, in_keys=["items", "segment_ids", "offsets"], out_keys=["embedding", "score"])
+    gated = Gated(policy)
+    tds = [TensorDict(items=torch.randn(n, 3)) for n in lengths(20, 12, seed=2)]
+    tds.append(TensorDict(items=torch.randn(2, 4, 3), batch_size=[2]))
+    with BatchedPolicyServer(
+        gated, collate=PackCollate(["items"], element_keys=["score"]), max_batch_size=6, timeout=1e6
+    ) as server:
+        outs = serve_held(server, gated, tds[0], tds[1:])
+    for td in outs:
+        items = td["items"].reshape(-1, *td["items"].shape[-2:])
+        n = items.shape[1]
+        rows = torch.arange(len(items))
+        with torch.no_grad():
+            embedding, score = net(items.flatten(0, 1), rows.repeat_interleave(n), torch.arange(len(items) + 1) * n)
+        torch.testing.assert_close(td["embedding"], embedding.reshape(*td.batch_size, 2))
+        torch.testing.assert_close(td["score"], score.reshape(*td.batch_size, n))
+    batch = gated.batches[1]
+    assert batch.batch_size == torch.Size([])
+    sizes = batch["offsets"].diff()
+    assert torch.equal(batch["segment_ids"], torch.arange(len(sizes)).repeat_interleave(sizes))
+    assert batch["items"].shape[0] == int(batch["offsets"][-1])
+
+
+# -- nested and non-tensor entries ----------------------------------------------------------
+
+
+class BoardPolicy(nn.Module):
+    """Reads a nested TensorDict and a FEN string; writes a nested TensorDict and a string."""
+
+    def forward(self, board: TensorDictBase, fen, weight: torch.Tensor):
+        fens = fen.tolist() if hasattr(fen, "tolist") else list(fen)
+        moves = [f"{f}:{int(p.sum())}" for f, p in zip(fens, board["pieces"])]
+        nxt = TensorDict(pieces=board["pieces"] + 1, turn=1 - board["turn"], batch_size=board.batch_size)
+        return (board["pieces"].float() * weight).sum(-1), moves, nxt
+
+
+@pytest.mark.parametrize("collate", [None, PadCollate(["weight"], mask_key=None)], ids=["stack", "pad"])
+def test_nested_and_non_tensor_entries_round_trip(collate):
+    policy = TensorDictModule(
+        BoardPolicy(), in_keys=["board", "fen", "weight"], out_keys=[("out", "score"), "move", "next"]
+    )
+
+    def request(i: int, *batch: int) -> TensorDict:
+        if not batch:
+            fen: object = f"fen-{i}"
+        elif len(batch) == 1:
+            fen = [f"fen-{i}-{a}" for a in range(batch[0])]
+        else:
+            fen = [[f"fen-{i}-{a}-{b}" for b in range(batch[1])] for a in range(batch[0])]
+        board = TensorDict(pieces=torch.randint(0, 5, (*batch, 4)), turn=torch.zeros(batch, dtype=torch.long))
+        board.batch_size = batch
+        return TensorDict(board=board, fen=fen, weight=torch.rand(*batch, 4), batch_size=batch)
+
+    tds = [request(0), request(1, 3), request(2), request(3, 2, 2)]
+    gated = Gated(policy)
+    with BatchedPolicyServer(gated, collate=collate, timeout=1e6) as server:
+        outs = serve_held(server, gated, tds[0], tds[1:])
+    for td in outs:
+        pieces = td["board", "pieces"]
+        torch.testing.assert_close(td["out", "score"], (pieces.float() * td["weight"]).sum(-1))
+        assert torch.equal(td["next", "pieces"], pieces + 1) and td["next"].batch_size == td.batch_size
+        fens = td["fen"] if not td.batch_dims else td.get("fen").tolist()
+        expected = (
+            f"{fens}:{int(pieces.sum())}"
+            if not td.batch_dims
+            else _nested_map(lambda f, p: f"{f}:{int(p.sum())}", fens, pieces)
+        )
+        got = td["move"] if not td.batch_dims else td.get("move").tolist()
+        assert got == expected
+
+
+def _nested_map(fn, items, tensor):
+    if isinstance(items, str):
+        return fn(items, tensor)
+    return [_nested_map(fn, item, t) for item, t in zip(items, tensor)]
+
+
+def test_nested_tensordict_with_other_leaves_is_a_bad_request():
+    policy = TensorDictModule(lambda board: board["a"].sum(-1), in_keys=["board"], out_keys=["s"])
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        remote(TensorDict(board=TensorDict(a=torch.ones(3))))
+        with pytest.raises(BadRequestError, match=r"key 'board': expected a TensorDict with leaves \{a: torch.float32"):
+            remote(TensorDict(board=TensorDict(a=torch.ones(3), b=torch.ones(1))))
+        with pytest.raises(BadRequestError, match="key 'board': expected a nested TensorDict, got a tensor"):
+            remote(TensorDict(board=torch.ones(3)))
+
+
+def test_non_tensor_where_a_tensor_was_fixed_is_a_bad_request():
+    policy = TensorDictModule(lambda x: x * 2, in_keys=["x"], out_keys=["y"])
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        remote(TensorDict(x=torch.ones(2)))
+        with pytest.raises(BadRequestError, match="key 'x': expected a tensor, got NonTensorData"):
+            remote(TensorDict(x="two"))
+
+
+# -- cost-bounded batches -------------------------------------------------------------------
+
+
+def test_cost_bound_caps_every_batch_and_refuses_requests_too_costly_alone():
+    policy = TensorDictModule(lambda tokens, mask: tokens.sum((-1, -2)), in_keys=["tokens", "mask"], out_keys=["s"])
+    gated = Gated(policy)
+    tds = [TensorDict(tokens=torch.ones(n, 2)) for n in lengths(30, 20, seed=3)]
+    with BatchedPolicyServer(
+        gated,
+        collate=PadCollate(["tokens"]),
+        cost_fn=LengthCost("tokens"),
+        max_batch_cost=40,
+        max_batch_size=64,
+        timeout=1e6,
+    ) as server:
+        with pytest.raises(BadRequestError, match="costs 41 .*max_batch_cost=40"):
+            server.submit(TensorDict(tokens=torch.ones(41, 2)))
+        outs = serve_held(server, gated, tds[0], tds[1:])
+        stats = server.statistics()
+    assert [float(td["s"]) for td in outs] == [2.0 * td["tokens"].shape[0] for td in outs]
+    costs = [int(batch["mask"].sum()) for batch in gated.batches]
+    assert max(costs) <= 40 and sum(costs) == sum(td["tokens"].shape[0] for td in tds)
+    assert stats.fired["full"] >= 1 and len(gated.batches) >= sum(costs) // 40
+
+
+def test_cost_fn_and_max_batch_cost_go_together():
+    policy = TensorDictModule(lambda x: x, in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match="cost_fn and max_batch_cost go together"):
+        BatchedPolicyServer(policy, max_batch_cost=10)
+    with pytest.raises(ValueError, match="max_batch_cost must be an int >= 1"):
+        BatchedPolicyServer(policy, cost_fn=LengthCost("x"), max_batch_cost=0)
+
+
+def test_a_cost_fn_returning_garbage_is_a_bad_request():
+    policy = TensorDictModule(lambda x: x, in_keys=["x"], out_keys=["y"])
+    with BatchedPolicyServer(policy, cost_fn=lambda td: "many", max_batch_cost=10) as server:
+        with pytest.raises(BadRequestError, match="cost_fn must return an int >= 0 for each request, got 'many'"):
+            server.remote_policy()(TensorDict(x=torch.ones(1)))
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "node, cls",
+    [
+        ({"_target_": "torchrl_batchserve.StackCollate", "pin_memory": False}, StackCollate),
+        (
+            {
+                "_target_": "torchrl_batchserve.PadCollate",
+                "keys": ["tokens", ["obs", "frames"]],
+                "trim_keys": ["logits"],
+                "buckets": [16, 32],
+                "pad_values": {"tokens": -1},
+            },
+            PadCollate,
+        ),
+        ({"_target_": "torchrl_batchserve.PackCollate", "keys": ["items"], "element_keys": ["score"]}, PackCollate),
+        ({"_target_": "torchrl_batchserve.LengthCost", "key": "tokens"}, LengthCost),
+    ],
+)
+def test_collates_build_from_yaml(node, cls):
+    built = instantiate(OmegaConf.create(node), _convert_="all")
+    assert type(built) is cls
+    if cls is PadCollate:
+        assert built.keys == ("tokens", ("obs", "frames")) and built.buckets == [16, 32]
+        assert built.provided_keys == frozenset({"mask"}) and built.pad_values == {"tokens": -1}
