@@ -29,11 +29,33 @@ def test_readme_has_exactly_the_two_setup_commands():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_composes(path):
+CONFIGS = sorted(p.relative_to(ROOT / "conf").with_suffix("").as_posix() for p in (ROOT / "conf").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_shipped_config_composes(name):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name=path.stem)
+        cfg = compose(config_name=name)
     assert OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_padded_server_config_serves_variable_lengths():
+    import torch
+    from tensordict import TensorDict
+    from tensordict.nn import TensorDictModule
+
+    from torchrl_batchserve import LengthCost, PadCollate
+    from torchrl_batchserve.config import build_server
+
+    cfg = OmegaConf.load(ROOT / "conf" / "server" / "padded.yaml")
+    policy = TensorDictModule(lambda tokens, mask: tokens * 2, in_keys=["tokens", "mask"], out_keys=["logits"])
+    with build_server(cfg, policy) as server:
+        assert isinstance(server.collate, PadCollate) and server.max_batch_cost == 4096
+        futures = [server.submit(TensorDict(tokens=torch.randn(n, 3))) for n in (5, 40)]
+        for fut in futures:
+            td = fut.result(10)
+            torch.testing.assert_close(td["logits"], td["tokens"] * 2)  # trimmed to its own length
+    assert isinstance(server.cost_fn, LengthCost)
 
 
 def test_actors_demo_smoke():
@@ -59,3 +81,17 @@ def test_benchmark_quick_smoke(tmp_path):
     assert (tmp_path / "benchmarks_quick.md").exists()
     row = next(r for r in out["rows"] if r["actors"] == 8 and r["mode"] == "threads")
     assert row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0 and row["x_torchrl"] > 0
+
+
+def test_varlen_benchmark_quick_smoke(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import varlen
+    finally:
+        sys.path.pop(0)
+    out = varlen.main(["--quick", "--actors", "8", "--out", str(tmp_path)])
+    assert (tmp_path / "benchmarks_varlen_quick.md").exists()
+    rows = {r["system"]: r for r in out["rows"]}
+    assert set(rows) == {"ours-pad", "ours-buckets", "ours-pack", "torchrl-pad"}
+    assert rows["ours-pack"]["overhead"] == 1.0  # packing computes no padding
+    assert rows["ours-pad"]["overhead"] > 1.0 and all(r["rps"] > 0 for r in rows.values())

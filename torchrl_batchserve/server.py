@@ -189,6 +189,7 @@ class BatchedPolicyServer(TensorDictModule):
         if unread:
             raise ValueError(f"collate {collate!r} varies {unread}; the policy reads {keys} from requests")
         self.max_batch_cost = max_batch_cost
+        self.cost_fn = cost_fn
         check = getattr(collate, "check", None)
         self._layout = Layout(keys, variable, check=check, cost_fn=cost_fn, max_cost=max_batch_cost)
         self._queue = RequestQueue(max_batch_size, self.timeout, max_queue_size, max_batch_cost)
