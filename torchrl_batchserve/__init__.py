@@ -5,6 +5,7 @@ time; one :class:`BatchedPolicyServer` gathers their requests into batches,
 runs one forward on the policy's device and hands every actor its own rows.
 """
 
+from torchrl_batchserve.cache import EvaluationCache
 from torchrl_batchserve.collate import Collate, FunctionCollate, StackCollate
 from torchrl_batchserve.errors import (
     BadRequestError,
@@ -27,6 +28,7 @@ __all__ = [
     "BatchServeError",
     "BatchedPolicyServer",
     "Collate",
+    "EvaluationCache",
     "FireReason",
     "FunctionCollate",
     "LengthCost",

@@ -142,6 +142,14 @@ class RequestQueue:
             self._cond.notify()
             return None
 
+    def waiting(self, caller: Any) -> None:
+        """``caller`` now waits on a request outside the queue (a coalesced row)."""
+        with self._cond:
+            if caller in self._idle:
+                self._idle.discard(caller)
+                if not self._idle and self._items and not self._serving:
+                    self._cond.notify()  # all_waiting may hold now
+
     def take_batch(self) -> tuple[list[Request], FireReason] | None:
         """Block until the rule fires and no batch runs; return the batch and why.
 

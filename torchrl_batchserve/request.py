@@ -56,12 +56,14 @@ class Request:
         cost: the request's share of ``max_batch_cost`` (the server's
             ``cost_fn``; 0 when batches are bounded by rows only).
 
-    ``extra`` is the collate's per-request note between ``collate`` and
+    ``cache_keys`` are its rows' keys when the server has an evaluation
+    cache. ``extra`` is the collate's per-request note between ``collate`` and
     ``split`` (e.g. the length a padding collate trims outputs back to).
     """
 
     __slots__ = (
         "batch_shape",
+        "cache_keys",
         "caller",
         "cost",
         "device",
@@ -98,6 +100,7 @@ class Request:
         self.device = device
         self.cost = cost
         self.extra: Any = None
+        self.cache_keys: list[Any] | None = None
         self.enqueued_at = time.monotonic()
         self.keys: Sequence[Any] = ()
         self.values: Sequence[Any] = ()

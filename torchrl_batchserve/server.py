@@ -26,6 +26,7 @@ from tensordict.nn.probabilistic import set_interaction_type
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
+from torchrl_batchserve.cache import HIT, JOINED, EvaluationCache
 from torchrl_batchserve.collate import StackCollate, as_collate, split_values
 from torchrl_batchserve.direct import direct_call, usable
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError
@@ -107,6 +108,9 @@ class BatchedPolicyServer(TensorDictModule):
             ``max_batch_cost``, a batch also stops growing at that total, and a
             request costing more alone is refused at submit.
         max_batch_cost: the bound on a batch's total cost (needs ``cost_fn``).
+        cache: an :class:`~torchrl_batchserve.EvaluationCache`: repeated rows
+            are answered at submit from the outputs of the current weight
+            version, identical rows in flight share one computed row.
         policy_version_key: key under which each result carries the version of
             the weights that computed it; ``None`` disables the stamp.
         in_keys, out_keys: for a plain ``nn.Module`` policy.
@@ -141,6 +145,7 @@ class BatchedPolicyServer(TensorDictModule):
         max_queue_size: int | None = None,
         cost_fn: Callable[[TensorDictBase], int] | None = None,
         max_batch_cost: int | None = None,
+        cache: EvaluationCache | None = None,
         policy_version_key: NestedKey | None = "policy_version",
         in_keys: Sequence[NestedKey] | None = None,
         out_keys: Sequence[NestedKey] | None = None,
@@ -197,6 +202,9 @@ class BatchedPolicyServer(TensorDictModule):
         self._weights = ShadowWeights(policy)
         self._lifecycle = threading.Lock()
         self._thread: threading.Thread | None = None
+        if cache is not None and not isinstance(cache, EvaluationCache):
+            raise TypeError(f"cache must be an EvaluationCache or None, got {type(cache).__name__}")
+        self.cache = cache
         self._endpoint = LocalEndpoint(
             self._queue,
             self._layout,
@@ -204,6 +212,8 @@ class BatchedPolicyServer(TensorDictModule):
             self._worker_alive,
             self._stats.rejected,
             self._serve_inline,
+            self._admit if cache is not None else None,
+            self._abandon if cache is not None else None,
         )
 
     # -- the module face -------------------------------------------------------
@@ -247,7 +257,7 @@ class BatchedPolicyServer(TensorDictModule):
         with self._lifecycle:
             thread = self._thread
             pending = self._queue.close(cancel_pending or thread is None)
-        fail_all(pending, ServerClosedError("the server was closed before this request ran"))
+        fail_all(self._with_followers(pending), ServerClosedError("the server was closed before this request ran"))
         if thread is None:
             return True
         if wait and thread is not threading.current_thread():
@@ -305,7 +315,39 @@ class BatchedPolicyServer(TensorDictModule):
 
     def statistics(self) -> ServerStatistics:
         """A frozen snapshot of the serving statistics."""
-        return self._stats.snapshot(self._weights.version)
+        return self._stats.snapshot(self._weights.version, self.cache)
+
+    # -- the evaluation cache ------------------------------------------------------
+
+    def _admit(self, request: Request) -> bool:
+        outcome, values = self.cache.admit(request, self._weights.latest_version)  # type: ignore[union-attr]
+        if outcome == HIT:
+            request.finish(self._delivered, values)  # type: ignore[arg-type]
+            return False
+        if outcome == JOINED:
+            self._queue.waiting(request.caller)
+            return False
+        return True
+
+    def _abandon(self, request: Request, error: BaseException) -> None:
+        fail_all(self.cache.release([request]), error)  # type: ignore[union-attr]
+
+    def _with_followers(self, requests: list[Request]) -> list[Request]:
+        """``requests`` and the coalesced requests waiting on them (which fail with them)."""
+        if self.cache is None or not requests:
+            return requests
+        return requests + self.cache.release(requests)
+
+    def _claim(self, requests: list[Request]) -> list[Request]:
+        """The requests to compute: cancelled ones dropped, unless others wait on their row."""
+        live = []
+        for request in requests:
+            current: Request | None = request
+            while current is not None and not current.claim():
+                current = self.cache.promote(current) if self.cache is not None else None
+            if current is not None:
+                live.append(current)
+        return live
 
     # -- the serve loop --------------------------------------------------------------
 
@@ -339,7 +381,7 @@ class BatchedPolicyServer(TensorDictModule):
         """Run one taken batch; the caller holds the serving token."""
         outcomes: list[tuple[list[Request], Any, BaseException | None]] = []
         try:
-            live = [r for r in requests if r.claim()]
+            live = self._claim(requests)
             self._apply_weights()
             for group in self._groups(live):
                 rows = sum(r.rows for r in group)
@@ -356,19 +398,39 @@ class BatchedPolicyServer(TensorDictModule):
                 self._stats.batch(
                     len(group), rows, reason.value, waits, time.perf_counter() - start, not outcomes[-1][2]
                 )
+            followers = self._followers(outcomes)
         except BaseException as err:
             broken = ServerBrokenError(f"the serve loop died: {err!r}")
             broken.__cause__ = err
             self._queue.done_serving(())
-            fail_all(requests + self._queue.break_(err), broken)
+            fail_all(self._with_followers(requests + self._queue.break_(err)), broken)
             raise
         # Mark the callers idle before waking them (the rule counts on it).
-        self._queue.done_serving([r.caller for r in requests])
-        for group, columns, error in outcomes:
+        callers = [r.caller for r in requests]
+        for group, _, _ in followers:
+            callers.extend(r.caller for r in group)
+        self._queue.done_serving(callers)
+        for group, columns, error in outcomes + followers:
             if error is None:
                 resolve(group, self._delivered, columns)
             else:
                 fail_all(group, error)
+
+    def _followers(self, outcomes: list) -> list[tuple[list[Request], Any, BaseException | None]]:
+        """Store computed rows in the cache; the coalesced requests and their outcomes."""
+        if self.cache is None:
+            return []
+        out: list[tuple[list[Request], Any, BaseException | None]] = []
+        for group, columns, error in outcomes:
+            if error is None:
+                waiting, rows = self.cache.complete(group, columns, self._weights.version)
+                if waiting:
+                    out.append((waiting, list(zip(*rows)), None))
+            else:
+                waiting = self.cache.release(group)
+                if waiting:
+                    out.append((waiting, None, error))
+        return out
 
     @staticmethod
     def _groups(live: list[Request]) -> list[list[Request]]:

@@ -8,6 +8,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 __all__ = ["ServerStatistics", "StatisticsRecorder"]
 
@@ -105,9 +106,6 @@ class StatisticsRecorder:
         self._forwards: deque[float] = deque(maxlen=window)
         self._applies: deque[float] = deque(maxlen=window)
         self._weight_updates = 0
-        self.cache_hits = 0
-        self.cache_misses = 0
-        self.cache_coalesced = 0
 
     def batch(self, requests: int, rows: int, reason: str, waits: Iterable[float], forward: float, ok: bool) -> None:
         with self._lock:
@@ -130,7 +128,8 @@ class StatisticsRecorder:
             self._weight_updates += 1
             self._applies.append(apply_seconds)
 
-    def snapshot(self, policy_version: int) -> ServerStatistics:
+    def snapshot(self, policy_version: int, cache: Any = None) -> ServerStatistics:
+        """The statistics now; ``cache`` (hits, misses, coalesced counters) when there is one."""
         with self._lock:
             waits, forwards = list(self._waits), list(self._forwards)
             return ServerStatistics(
@@ -148,8 +147,8 @@ class StatisticsRecorder:
                 policy_version=policy_version,
                 weight_updates=self._weight_updates,
                 weight_apply_p99=_percentile(list(self._applies), 0.99),
-                cache_hits=self.cache_hits,
-                cache_misses=self.cache_misses,
-                cache_coalesced=self.cache_coalesced,
+                cache_hits=cache.hits if cache is not None else 0,
+                cache_misses=cache.misses if cache is not None else 0,
+                cache_coalesced=cache.coalesced if cache is not None else 0,
                 uptime=time.monotonic() - self._started,
             )

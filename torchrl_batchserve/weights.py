@@ -68,6 +68,11 @@ class ShadowWeights:
         """The version of the weights the served module holds."""
         return self._version
 
+    @property
+    def latest_version(self) -> int:
+        """The version of the newest weights given (staged or served)."""
+        return self._staged_version
+
     def check(self, weights: TensorDictBase) -> None:
         """Raise :class:`WeightSyncError` unless ``weights`` matches the served layout."""
         served = set(self._served.keys(True, True))

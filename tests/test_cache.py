@@ -1,0 +1,210 @@
+"""EvaluationCache: exact hits, versions, capacity, coalescing, statistics, failures."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import GatedPolicy, make_mlp
+from tensordict import TensorDict
+from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
+
+from torchrl_batchserve import BatchedPolicyServer, EvaluationCache, ServerClosedError
+
+
+def obs(seed: int, *batch: int) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict(observation=torch.randn(*batch, 8, generator=g), batch_size=batch)
+
+
+def test_hit_returns_exactly_what_the_forward_returns(policy, net):
+    cache = EvaluationCache()
+    with BatchedPolicyServer(policy, cache=cache) as server:
+        remote = server.remote_policy()
+        first = remote(obs(0))
+        hit = remote(obs(0))
+        stats = server.statistics()
+    with torch.no_grad():
+        expected = net(obs(0)["observation"])
+    assert torch.equal(first["logits"], expected) and torch.equal(hit["logits"], expected)
+    assert int(hit["policy_version"]) == 0
+    assert hit["logits"].data_ptr() != first["logits"].data_ptr()  # callers never share storage
+    assert (stats.cache_hits, stats.cache_misses, stats.requests) == (1, 1, 1)  # the hit never entered a batch
+
+
+def test_an_entry_is_never_served_across_a_weight_update(policy, net):
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        before = remote(obs(0))
+        new = make_mlp(seed=1)
+        version = server.update_weights(TensorDict.from_module(TensorDictModule(new, ["observation"], ["logits"])))
+        after = remote(obs(0))  # staged, not applied yet: the old entry must not answer
+        again = remote(obs(0))
+        stats = server.statistics()
+    with torch.no_grad():
+        assert torch.equal(after["logits"], new(obs(0)["observation"]))
+    assert int(before["policy_version"]) == 0 and int(after["policy_version"]) == version == 1
+    assert int(again["policy_version"]) == 1 and torch.equal(again["logits"], after["logits"])
+    assert (stats.cache_misses, stats.cache_hits) == (2, 1)
+
+
+def test_capacity_bound_evicts_the_least_recently_used(policy):
+    cache = EvaluationCache(capacity=3)
+    with BatchedPolicyServer(policy, cache=cache) as server:
+        remote = server.remote_policy()
+        for seed in (0, 1, 2):
+            remote(obs(seed))
+        remote(obs(0))  # touch 0: 1 is now the oldest
+        remote(obs(3))  # evicts 1
+        assert len(cache) == 3
+        misses = server.statistics().cache_misses
+        remote(obs(0))
+        remote(obs(2))
+        assert server.statistics().cache_misses == misses  # 0 and 2 stayed
+        remote(obs(1))
+        assert server.statistics().cache_misses == misses + 1  # 1 was evicted
+        assert len(cache) == 3
+
+
+def test_identical_in_flight_rows_reach_the_policy_once():
+    gated = GatedPolicy(make_mlp())
+    k = 6
+    with BatchedPolicyServer(gated, cache=EvaluationCache(), timeout=1e6) as server:
+        remote = server.remote_policy()
+        first = remote.submit(obs(100))
+        assert gated.entered.wait(10)
+        same = [remote.submit(obs(7)) for _ in range(k)]  # one leader queued, k-1 coalesced
+        other = remote.submit(obs(8))
+        gated.gate.set()
+        outs = [f.result(10) for f in same]
+        other.result(10), first.result(10)
+        stats = server.statistics()
+    assert gated.batches == [1, 2]  # the second batch: one row of obs(7), one of obs(8)
+    assert all(torch.equal(o["logits"], outs[0]["logits"]) for o in outs)
+    assert len({o["logits"].data_ptr() for o in outs}) == k
+    assert (stats.cache_coalesced, stats.cache_misses, stats.cache_hits) == (k - 1, 3, 0)
+
+
+def test_blocking_threads_on_one_row_all_get_it(net):
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    n, rounds = 16, 20
+    with BatchedPolicyServer(policy, cache=EvaluationCache(), timeout=1e6) as server:
+        remote = server.remote_policy()
+        results: list[list[torch.Tensor]] = [[] for _ in range(n)]
+
+        def actor(i: int) -> None:
+            for r in range(rounds):
+                results[i].append(remote(obs(r))["logits"])
+
+        threads = [threading.Thread(target=actor, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stats = server.statistics()
+    with torch.no_grad():
+        expected = [net(obs(r)["observation"]) for r in range(rounds)]
+    assert all(torch.equal(results[i][r], expected[r]) for i in range(n) for r in range(rounds))
+    # every one of the n * rounds lookups is counted once; only distinct rows were computed
+    assert stats.cache_hits + stats.cache_misses + stats.cache_coalesced == n * rounds
+    assert stats.rows == stats.cache_misses and stats.cache_misses >= rounds
+
+
+def test_multi_row_requests_hit_when_every_row_is_cached(policy, net):
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        rows = obs(0, 2, 3)
+        first = remote(rows.clone())  # computed; its 6 rows stored
+        single = remote(TensorDict(observation=rows["observation"][1, 2].clone()))
+        again = remote(rows.clone())
+        stats = server.statistics()
+    with torch.no_grad():
+        expected = net(rows["observation"])
+    assert torch.equal(first["logits"], expected) and torch.equal(again["logits"], expected)
+    assert again["logits"].shape == (2, 3, 3) and again["policy_version"].shape == (2, 3)
+    assert torch.equal(single["logits"], expected[1, 2])
+    assert (stats.cache_hits, stats.requests) == (2, 1)
+
+
+def test_key_fn_names_the_row(policy):
+    cache = EvaluationCache(key_fn=lambda td: int(td["board_id"]))
+    with BatchedPolicyServer(policy, cache=cache) as server:
+        remote = server.remote_policy()
+        a = remote(obs(0).set("board_id", torch.tensor(5)))
+        b = remote(obs(1).set("board_id", torch.tensor(5)))  # same key: the cache trusts it
+        c = remote(obs(1).set("board_id", torch.tensor(6)))
+    assert torch.equal(a["logits"], b["logits"]) and not torch.equal(b["logits"], c["logits"])
+
+
+def test_interaction_types_do_not_share_entries(policy):
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        with set_interaction_type(InteractionType.DETERMINISTIC):
+            remote(obs(0))
+        with set_interaction_type(InteractionType.RANDOM):
+            remote(obs(0))
+        stats = server.statistics()
+    assert (stats.cache_hits, stats.cache_misses) == (0, 2)
+
+
+def test_followers_of_a_cancelled_leader_still_get_their_row(net):
+    gated = GatedPolicy(net)
+    with BatchedPolicyServer(gated, cache=EvaluationCache(), timeout=1e6) as server:
+        remote = server.remote_policy()
+        first = remote.submit(obs(100))
+        assert gated.entered.wait(10)
+        leader = remote.submit(obs(7))
+        followers = [remote.submit(obs(7)) for _ in range(3)]
+        assert leader.cancel()
+        gated.gate.set()
+        outs = [f.result(10) for f in followers]
+        first.result(10)
+    with torch.no_grad():
+        expected = net(obs(7)["observation"])
+    assert all(torch.equal(o["logits"], expected) for o in outs)
+    assert gated.batches == [1, 1]
+
+
+def test_followers_share_their_leaders_failure_and_close(net):
+    class Boom(GatedPolicy):
+        def forward(self, td):
+            td = super().forward(td)
+            if len(self.batches) == 2:
+                raise ValueError("policy failed")
+            return td
+
+    gated = Boom(net)
+    with BatchedPolicyServer(gated, cache=EvaluationCache(), timeout=1e6) as server:
+        remote = server.remote_policy()
+        first = remote.submit(obs(100))
+        assert gated.entered.wait(10)
+        same = [remote.submit(obs(7)) for _ in range(3)]
+        gated.gate.set()
+        first.result(10)
+        for fut in same:
+            with pytest.raises(ValueError, match="policy failed"):
+                fut.result(10)
+
+    gated = GatedPolicy(net)
+    server = BatchedPolicyServer(gated, cache=EvaluationCache(), timeout=1e6)
+    remote = server.remote_policy()
+    first = remote.submit(obs(100))
+    assert gated.entered.wait(10)
+    same = [remote.submit(obs(7)) for _ in range(3)]
+    server.close(wait=False, cancel_pending=True)
+    for fut in same:
+        with pytest.raises(ServerClosedError):
+            fut.result(10)
+    gated.gate.set()
+    first.result(10)
+    assert server.close(timeout=10)
+
+
+def test_cache_arguments_are_checked(policy):
+    with pytest.raises(ValueError, match="capacity must be an int >= 1"):
+        EvaluationCache(capacity=0)
+    with pytest.raises(ValueError, match="key_fn must be callable"):
+        EvaluationCache(key_fn="hash")
+    with pytest.raises(TypeError, match="cache must be an EvaluationCache or None, got dict"):
+        BatchedPolicyServer(policy, cache={})

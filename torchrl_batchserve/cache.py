@@ -1,0 +1,227 @@
+"""EvaluationCache: answer repeated rows without a forward (tree search).
+
+MCTS evaluates the same positions again and again: transpositions, re-visited
+leaves, the same opening in many games. The cache keys each row (a user
+``key_fn``, e.g. a board hash the env already writes, or by default a digest
+of the bytes of the policy's inputs) and keeps the outputs the policy computed
+for it, tagged with the weight version that computed them:
+
+* a hit is answered at submit, without entering a batch, and only when its
+  version is the newest the server has been given: a weight update never
+  serves a stale evaluation and needs no flush;
+* identical single rows already queued or in flight share one computed row
+  (coalescing): the first is the *leader*, the others wait on it;
+* memory is bounded: least recently used entries go first.
+
+The server calls :meth:`admit` at submit and :meth:`complete` /
+:meth:`release` when a leader's batch ends; all three hold one lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from torchrl_batchserve.request import Request
+
+__all__ = ["EvaluationCache"]
+
+HIT, JOINED, LEAD = "hit", "joined", "lead"
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, (torch.Tensor, TensorDictBase)) else value
+
+
+def digest(inputs: Sequence[Any]) -> bytes:
+    """A 128-bit digest of the dtype, shape and bytes of each input."""
+    h = hashlib.blake2b(digest_size=16)
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            t = value.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(value).encode())
+    return h.digest()
+
+
+class EvaluationCache:
+    """A bounded, version-aware cache of policy outputs, keyed per row.
+
+    Args:
+        capacity: the most rows kept (least recently used go first).
+        key_fn: ``key_fn(td) -> hashable`` for a single-row request ``td``;
+            default: a 128-bit digest of the bytes of the policy's in_keys.
+            Two rows with one key must be the same input: the cache returns
+            the outputs of either for both.
+
+    Requests with several rows are looked up row by row (``key_fn`` gets each
+    row): when every row hits they are answered at submit; otherwise the whole
+    request is computed and its rows are stored. Only single rows coalesce.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl_batchserve import BatchedPolicyServer, EvaluationCache
+        >>> policy = TensorDictModule(torch.nn.Linear(4, 2), in_keys=["observation"], out_keys=["logits"])
+        >>> with BatchedPolicyServer(policy, cache=EvaluationCache(capacity=1000)) as server:
+        ...     remote = server.remote_policy()
+        ...     first = remote(TensorDict(observation=torch.ones(4)))
+        ...     again = remote(TensorDict(observation=torch.ones(4)))  # answered from the cache
+        ...     stats = server.statistics()
+        >>> torch.equal(first["logits"], again["logits"]), stats.cache_hits, stats.cache_misses
+        (True, 1, 1)
+    """
+
+    def __init__(self, capacity: int = 100_000, key_fn: Callable[[TensorDictBase], Hashable] | None = None) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1 (got {capacity!r})")
+        if key_fn is not None and not callable(key_fn):
+            raise ValueError(f"key_fn must be callable as key_fn(td) -> hashable (got {key_fn!r})")
+        self.capacity = capacity
+        self.key_fn = key_fn
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[Hashable, tuple[int, tuple[Any, ...]]] = OrderedDict()
+        self._leaders: dict[Hashable, Request] = {}
+        self._followers: dict[int, list[Request]] = {}  # id(leader) -> followers
+        self.hits = self.misses = self.coalesced = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys_of(self, request: Request) -> list[Hashable]:
+        """The key of each row of ``request`` (with its interaction type: a
+        deterministic and a sampled evaluation of one row are not the same)."""
+        mode = request.interaction
+        if not request.batch_shape:
+            key = self.key_fn(request.td) if self.key_fn is not None else digest(request.inputs)
+            return [(mode, key)]
+        if self.key_fn is not None:
+            return [(mode, self.key_fn(row)) for row in request.td.reshape(-1).unbind(0)]
+        rows = [[v[i] if isinstance(v, torch.Tensor) else v for v in request.inputs] for i in range(request.rows)]
+        return [(mode, digest(row)) for row in rows]
+
+    def admit(self, request: Request, version: int) -> tuple[str, Sequence[Any] | None]:
+        """At submit: ``(HIT, values)``, ``(JOINED, None)`` or ``(LEAD, None)``.
+
+        On ``HIT`` the values are this request's outputs (its rows stacked);
+        on ``JOINED`` the request waits for an identical one already queued or
+        in flight; on ``LEAD`` it must be computed (and is now the row others
+        with its key join).
+        """
+        keys = self.keys_of(request)
+        request.cache_keys = keys
+        with self._lock:
+            found = []
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or entry[0] != version:
+                    break
+                found.append(entry[1])
+            if len(found) == len(keys):
+                for key in keys:
+                    self._entries.move_to_end(key)
+                self.hits += 1
+                if not request.batch_shape:
+                    return HIT, [_clone(v) for v in found[0]]
+                return HIT, [_stack(column, request.batch_shape) for column in zip(*found)]
+            if not request.batch_shape:
+                leader = self._leaders.get(keys[0])
+                if leader is not None:
+                    self._followers.setdefault(id(leader), []).append(request)
+                    self.coalesced += 1
+                    return JOINED, None
+                self._leaders[keys[0]] = request
+            self.misses += 1
+            return LEAD, None
+
+    def complete(
+        self, requests: Sequence[Request], columns: Sequence[Sequence[Any]], version: int
+    ) -> tuple[list[Request], list[Sequence[Any]]]:
+        """After a batch: store each request's rows; return the followers and their values."""
+        followers: list[Request] = []
+        values: list[Sequence[Any]] = []
+        rows_of = list(zip(*columns)) if columns else [()] * len(requests)
+        with self._lock:
+            for request, row in zip(requests, rows_of):
+                keys = request.cache_keys
+                if keys is None:
+                    continue
+                if not request.batch_shape:
+                    self._store(keys[0], version, tuple(_clone(v) for v in row))
+                    waiting = self._detach(request)
+                    followers.extend(waiting)
+                    values.extend(tuple(_clone(v) for v in row) for _ in waiting)
+                else:
+                    flat = [_rows(v, request.batch_shape) for v in row]
+                    for i, key in enumerate(keys):
+                        self._store(key, version, tuple(_clone(f[i]) for f in flat))
+        return followers, values
+
+    def promote(self, leader: Request) -> Request | None:
+        """``leader`` was cancelled: its first follower leads the others instead."""
+        with self._lock:
+            followers = self._detach(leader)
+            if not followers:
+                return None
+            head, rest = followers[0], followers[1:]
+            self._leaders[head.cache_keys[0]] = head  # type: ignore[index]
+            if rest:
+                self._followers[id(head)] = rest
+            return head
+
+    def release(self, requests: Sequence[Request]) -> list[Request]:
+        """Requests that will not be computed (their batch failed, the server closed): their followers."""
+        followers: list[Request] = []
+        with self._lock:
+            for request in requests:
+                if request.cache_keys is not None and not request.batch_shape:
+                    followers.extend(self._detach(request))
+        return followers
+
+    def _detach(self, leader: Request) -> list[Request]:
+        key = leader.cache_keys[0]  # type: ignore[index]
+        if self._leaders.get(key) is leader:
+            del self._leaders[key]
+        return self._followers.pop(id(leader), [])
+
+    def _store(self, key: Hashable, version: int, values: tuple[Any, ...]) -> None:
+        entries = self._entries
+        entries[key] = (version, values)
+        entries.move_to_end(key)
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(capacity={self.capacity}, key_fn={self.key_fn!r}, size={len(self)})"
+
+
+def _rows(value: Any, batch_shape: torch.Size) -> Any:
+    """A request's output, one item per row."""
+    if isinstance(value, (torch.Tensor, TensorDictBase)):
+        return value.flatten(0, len(batch_shape) - 1)
+    for _ in range(len(batch_shape) - 1):
+        value = [item for sub in value for item in sub]
+    return value
+
+
+def _stack(column: Sequence[Any], batch_shape: torch.Size) -> Any:
+    """The inverse of :func:`_rows`: rows back into the request's batch shape."""
+    first = column[0]
+    if isinstance(first, (torch.Tensor, TensorDictBase)):
+        stacked = torch.stack(list(column))
+        return stacked.reshape(*batch_shape, *stacked.shape[1:])
+    items = list(column)
+    for size in reversed(batch_shape[1:]):
+        items = [items[i : i + size] for i in range(0, len(items), size)]
+    return items
