@@ -208,3 +208,15 @@ def test_cache_arguments_are_checked(policy):
         EvaluationCache(key_fn="hash")
     with pytest.raises(TypeError, match="cache must be an EvaluationCache or None, got dict"):
         BatchedPolicyServer(policy, cache={})
+
+
+def test_cache_builds_from_config(policy):
+    from torchrl_batchserve.config import build_server
+
+    cfg = {"cache": {"_target_": "torchrl_batchserve.EvaluationCache", "capacity": 10}}
+    with build_server(cfg, policy) as server:
+        remote = server.remote_policy()
+        remote(obs(0))
+        remote(obs(0))
+        assert isinstance(server.cache, EvaluationCache) and server.cache.capacity == 10
+        assert server.statistics().cache_hits == 1

@@ -15,6 +15,7 @@ arguments. A server is described in YAML as
       cost_fn: null            # or {_target_: torchrl_batchserve.LengthCost, key: tokens}
       max_batch_cost: null
       collate: null            # or {_target_: torchrl_batchserve.PadCollate, keys: [tokens]}
+      cache: null              # or {_target_: torchrl_batchserve.EvaluationCache, capacity: 100000}
 
 and built with :func:`build_server` around a policy made by the caller.
 """
@@ -36,7 +37,7 @@ __all__ = ["ServerConfig", "build_server", "register_configs"]
 class ServerConfig:
     """The keyword arguments of :class:`~torchrl_batchserve.BatchedPolicyServer`.
 
-    ``collate`` and ``cost_fn`` are Hydra nodes with ``_target_``
+    ``collate``, ``cost_fn`` and ``cache`` are Hydra nodes with ``_target_``
     (instantiated), or ``None``.
 
     Examples:
@@ -57,6 +58,7 @@ class ServerConfig:
     max_queue_size: int | None = None
     cost_fn: Any = None
     max_batch_cost: int | None = None
+    cache: Any = None
     policy_version_key: str | None = "policy_version"
     collate: Any = None
 
@@ -65,7 +67,7 @@ def build_server(cfg: DictConfig | ServerConfig | dict, policy: Any, **overrides
     """Build a :class:`BatchedPolicyServer` for ``policy`` from a server config node."""
     node = OmegaConf.merge(OmegaConf.structured(ServerConfig), cfg)
     kwargs: dict[str, Any] = OmegaConf.to_container(node, resolve=True)  # type: ignore[assignment]
-    for name in ("collate", "cost_fn"):
+    for name in ("collate", "cost_fn", "cache"):
         if kwargs[name] is not None:
             kwargs[name] = instantiate(getattr(node, name), _convert_="all")
     kwargs.update(overrides)
