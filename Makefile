@@ -12,8 +12,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[test,bench,dev]"
 	touch $@
 
-.PHONY: demo test lint bench bench-quick
+.PHONY: demo demo-actors test lint bench bench-quick
 demo: $(VENV)/.installed
+	$(BIN)/python examples/mcts_selfplay.py
+
+demo-actors: $(VENV)/.installed
 	$(BIN)/python examples/actors_demo.py
 
 lint: $(VENV)/.installed

@@ -1,0 +1,100 @@
+"""The MCTS self-play example: its env, its search and a smoke run of the whole script."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+try:
+    import mcts_selfplay as mcts
+finally:
+    sys.path.pop(0)
+
+
+def config(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="mcts_selfplay", overrides=list(overrides))
+
+
+def test_connect_four_rules_through_env_step():
+    env = mcts.ConnectFourEnv()
+    td = env.reset()
+    for col in (3, 4, 3, 4, 3, 4):  # player 0 stacks column 3, player 1 column 4
+        td = env.step(td.set("action", torch.tensor(col)))["next"].select(*mcts.STATE_KEYS)
+    assert int(td["turn"]) == 0 and (td["board"] == 1).sum() == 3 and (td["board"] == 0).sum() == 3
+    nxt = env.step(td.set("action", torch.tensor(3)))["next"]
+    assert bool(nxt["done"]) and float(nxt["player0", "reward"]) == 1.0 and float(nxt["player1", "reward"]) == 0.0
+    full = env.reset()
+    for _ in range(6):
+        full = env.step(full.set("action", torch.tensor(0)))["next"].select(*mcts.STATE_KEYS)
+    assert not bool(full["mask"][0]) and bool(full["mask"][1:].all())
+    with pytest.raises(ValueError, match="action 0: the column is full"):
+        env.step(full.set("action", torch.tensor(0)))
+
+
+def test_search_takes_an_immediate_win_and_blocks_one():
+    env = mcts.ConnectFourEnv()
+    cfg = config()
+    td = env.reset()
+    for col in (0, 6, 0, 6, 0):  # player 1 to move; player 0 threatens column 0
+        td = env.step(td.set("action", torch.tensor(col)))["next"].select(*mcts.STATE_KEYS)
+    rng = random.Random(0)
+    root = mcts.Node(td)
+    evaluate = mcts.rollout_evaluator(env.random_playout, rng)
+    mcts.drive(mcts.search(env, root, 200, evaluate, cfg, rng, noise=False), lambda x: x, mcts.Counter())
+    assert max(root.legal, key=lambda a: root.n[a]) == 0  # block
+    td = env.step(td.set("action", torch.tensor(5)))["next"].select(*mcts.STATE_KEYS)  # player 1 blunders
+    root = mcts.Node(td)
+    mcts.drive(mcts.search(env, root, 200, evaluate, cfg, rng, noise=False), lambda x: x, mcts.Counter())
+    assert max(root.legal, key=lambda a: root.n[a]) == 0  # win
+
+
+def test_playouts_agree_between_the_fast_rules_and_env_step():
+    env = mcts.ConnectFourEnv()
+    td = env.reset()
+    for seed in range(5):
+        assert env.random_playout(td, random.Random(seed)) == mcts.env_playout(env, td, random.Random(seed))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["mode=threads"],
+        ["mode=asyncio", "game=tictactoe"],
+        ["no_server=true"],
+    ],
+    ids=["threads-connect4", "asyncio-tictactoe", "no-server"],
+)
+def test_selfplay_smoke(tmp_path, overrides):
+    cfg = config(
+        "rounds=2",
+        "games_per_round=4",
+        "searchers=4",
+        "simulations=6",
+        "train.steps_per_round=2",
+        "train.batch_size=16",
+        "eval.every=1",
+        "eval.games=2",
+        "eval.simulations=4",
+        "progress=false",
+        f"out_dir={tmp_path}",
+        *overrides,
+    )
+    result = mcts.run(cfg)
+    assert result["games"] == 8 and result["evaluations"] > 0
+    assert [h["games"] for h in result["history"]] == [4, 8]
+    assert all(0.0 <= h["vs_random"] <= 1.0 and 0.0 <= h["vs_mcts"] <= 1.0 for h in result["history"])
+    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert saved["games"] == 8 and next(tmp_path.glob("*.png")).stat().st_size > 0
+    if not cfg.no_server:
+        # games of round r were evaluated by version r: pushed weights reached the searchers
+        assert result["game_versions"] == [[0]] * 4 + [[1]] * 4
+        assert result["policy_version"] == 2 and result["cache_misses"] > 0
