@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -35,6 +37,7 @@ from torchrl_batchserve.queue import FireReason, RequestQueue
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.request import Request, fail_all, resolve
 from torchrl_batchserve.stats import ServerStatistics, StatisticsRecorder
+from torchrl_batchserve.transport.hub import ProcessHub
 from torchrl_batchserve.transport.local import LocalEndpoint
 from torchrl_batchserve.weights import ShadowWeights
 
@@ -214,7 +217,10 @@ class BatchedPolicyServer(TensorDictModule):
             self._serve_inline,
             self._admit if cache is not None else None,
             self._abandon if cache is not None else None,
+            self._start_hub,
         )
+        self._hub: ProcessHub | None = None
+        _serve_forks(self)
 
     # -- the module face -------------------------------------------------------
 
@@ -257,12 +263,13 @@ class BatchedPolicyServer(TensorDictModule):
         with self._lifecycle:
             thread = self._thread
             pending = self._queue.close(cancel_pending or thread is None)
+            hub, self._hub = self._hub, None
         fail_all(self._with_followers(pending), ServerClosedError("the server was closed before this request ran"))
-        if thread is None:
-            return True
-        if wait and thread is not threading.current_thread():
+        if thread is not None and wait and thread is not threading.current_thread():
             thread.join(timeout)
-        return not thread.is_alive()
+        if hub is not None:
+            hub.close(timeout if wait else 0.0)
+        return thread is None or not thread.is_alive()
 
     @property
     def closed(self) -> bool:
@@ -273,6 +280,26 @@ class BatchedPolicyServer(TensorDictModule):
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+    def _start_hub(self) -> tuple[str, bytes, list]:
+        """Serve worker processes from now on; ``(address, authkey, keys)`` for their clients."""
+        with self._lifecycle:
+            if self._queue.closed:
+                raise ServerClosedError("a closed server cannot serve other processes")
+            if self._hub is None:
+                trusted = (
+                    type(self._collate) is StackCollate
+                    and self.cost_fn is None
+                    and (self.cache is None or self.cache.key_fn is None)
+                )
+                self._hub = ProcessHub(
+                    self._layout.keys, self._endpoint.make_request, self._endpoint.enqueue, self._serve_inline, trusted
+                )
+            return self._hub.address, self._hub.authkey, list(self._layout.keys)
+
+    def _before_fork(self) -> None:
+        if self._thread is not None and not self._queue.closed:
+            self._endpoint.process_address()
 
     def _ensure_started(self) -> None:
         if self._thread is None:
@@ -498,6 +525,22 @@ class BatchedPolicyServer(TensorDictModule):
         if missing:
             raise KeyError(f"the policy output has no entries {missing} (its out_keys promise them)")
         return output
+
+
+def _serve_forks(server: BatchedPolicyServer) -> None:
+    # A RemotePolicy inherited by fork (not pickled) must find the server's
+    # hub in the child: a running server starts it before any fork.
+    ref = weakref.ref(server)
+
+    def before() -> None:
+        s = ref()
+        if s is not None:
+            try:
+                s._before_fork()
+            except Exception:
+                _log.exception("could not start the process hub before fork")
+
+    os.register_at_fork(before=before)
 
 
 def _sync_to_host(device: torch.device) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -11,12 +12,14 @@ from typing import Any
 from tensordict import TensorDictBase
 from tensordict.nn.probabilistic import interaction_type
 
-from torchrl_batchserve.errors import BadRequestError
+from torchrl_batchserve.errors import BadRequestError, ServerBrokenError
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.request import AsyncRequest, BlockingRequest, FutureRequest, Request
 
 __all__ = ["LocalEndpoint"]
+
+_HERE = object()  # the interaction type of the calling thread
 
 
 class LocalEndpoint:
@@ -36,6 +39,11 @@ class LocalEndpoint:
             already queued, so it must not be queued itself.
         abandon: ``abandon(request, error)`` for an admitted request the queue
             then refused (its coalesced followers fail with it).
+        process_address: starts the server's process hub; returns
+            ``(address, authkey, keys)`` for clients in other processes.
+
+    In a process forked from the server's, the endpoint becomes a client of
+    the hub (started before the fork by the server) instead.
     """
 
     def __init__(
@@ -48,6 +56,7 @@ class LocalEndpoint:
         serve: Callable[..., None],
         admit: Callable[[Request], bool] | None = None,
         abandon: Callable[[Request, BaseException], None] | None = None,
+        process_address: Callable[[], tuple[str, bytes, list]] | None = None,
     ) -> None:
         self.queue = queue
         self.layout = layout
@@ -57,17 +66,45 @@ class LocalEndpoint:
         self._serve = serve
         self._admit = admit
         self._abandon = abandon
+        self._process_address = process_address
+        self._pid = os.getpid()
+        self._address: tuple[str, bytes, list] | None = None
+        self._forked: Any = None
 
-    def _request(self, cls: type[Request], td: TensorDictBase, caller: Any, **kwargs: Any) -> Any:
+    def process_address(self) -> tuple[str, bytes, list]:
+        """Where clients in other processes connect (starts the hub once)."""
+        if self._address is None:
+            if self._process_address is None:
+                raise TypeError("this endpoint cannot serve other processes")
+            self._address = self._process_address()
+        return self._address
+
+    def _other_process(self) -> Any:
+        """The client to use in a process forked after this endpoint was made."""
+        if self._forked is None or self._forked[0] != os.getpid():
+            from torchrl_batchserve.transport.client import ProcessClient
+
+            if self._address is None:
+                raise ServerBrokenError("forked before the server could serve other processes (it was not running)")
+            self._forked = (os.getpid(), ProcessClient(*self._address))
+        return self._forked[1]
+
+    def make_request(
+        self, cls: type[Request], td: TensorDictBase, caller: Any, interaction: Any = _HERE, **kwargs: Any
+    ) -> Any:
+        """Validate ``td`` and wrap it in a ``cls`` request (``interaction``: default, this thread's)."""
         self._ensure_started()
         try:
             v = self.layout.check(td)
         except BadRequestError:
             self._on_reject()
             raise
-        return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction_type(), v.device, v.cost, **kwargs)
+        if interaction is _HERE:
+            interaction = interaction_type()
+        return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, **kwargs)
 
-    def _put(self, request: Request, may_serve: bool = False) -> Any:
+    def enqueue(self, request: Request, may_serve: bool = False) -> Any:
+        """Admit (cache) and queue ``request``; a batch to run when ``may_serve`` and it fired."""
         if self._admit is None:
             return self.queue.put(request, may_serve)
         if not self._admit(request):
@@ -80,26 +117,32 @@ class LocalEndpoint:
 
     def call(self, td: TensorDictBase) -> TensorDictBase:
         """Serve ``td`` and block until its outputs are written into it."""
-        request: BlockingRequest = self._request(BlockingRequest, td, threading.get_ident())
-        batch = self._put(request, may_serve=True)
+        if os.getpid() != self._pid:
+            return self._other_process().call(td)
+        request: BlockingRequest = self.make_request(BlockingRequest, td, threading.get_ident())
+        batch = self.enqueue(request, may_serve=True)
         if batch is not None:
             self._serve(*batch)
         return request.wait(self._is_alive)
 
     def submit(self, td: TensorDictBase) -> Future[TensorDictBase]:
         """Enqueue ``td``; the Future resolves to ``td`` with its outputs written."""
-        request: FutureRequest = self._request(FutureRequest, td, threading.get_ident())
-        self._put(request)
+        if os.getpid() != self._pid:
+            return self._other_process().submit(td)
+        request: FutureRequest = self.make_request(FutureRequest, td, threading.get_ident())
+        self.enqueue(request)
         return request.future
 
     async def acall(self, td: TensorDictBase) -> TensorDictBase:
         """Serve ``td`` from a coroutine, batched with every other task and thread."""
+        if os.getpid() != self._pid:
+            return await self._other_process().acall(td)
         loop = asyncio.get_running_loop()
-        request: AsyncRequest = self._request(AsyncRequest, td, asyncio.current_task(), loop=loop)
+        request: AsyncRequest = self.make_request(AsyncRequest, td, asyncio.current_task(), loop=loop)
         # The coroutine whose request completes a batch runs it on the loop
         # thread: no hand-off to the worker, whose forward would otherwise
         # fight this thread for the GIL. The loop runs nothing else meanwhile.
-        batch = self._put(request, may_serve=True)
+        batch = self.enqueue(request, may_serve=True)
         if batch is not None:
             self._serve(*batch)
         return await request.future

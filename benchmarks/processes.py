@@ -1,0 +1,173 @@
+"""Process actors: torchrl_batchserve vs TorchRL's best cross-process transport.
+
+N spawned worker processes each call the policy on one observation at a time,
+in one process run, on the same policies and inputs as ``benchmarks/run.py``:
+
+* ``ours``: a ``RemotePolicy`` pickled into each worker (Unix socket +
+  shared-memory slots);
+* ``torchrl``: TorchRL 0.14.1's ``InferenceServer`` with its
+  ``ProcessSlotTransport`` (fixed shared-memory slots and process semaphores),
+  one ``transport.client()`` per worker.
+
+Both servers: the same ``max_batch_size`` and ``timeout``, in this process.
+Workers synchronise on a barrier, then time their calls; throughput is all
+calls over the span from the first start to the last end.
+
+    python benchmarks/processes.py            # writes docs/benchmarks_processes.md
+    python benchmarks/processes.py --quick    # seconds; a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from run import _pct, make_payload
+from torchrl.modules.inference_server import InferenceServer, ProcessSlotTransport
+
+from torchrl_batchserve import BatchedPolicyServer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(call: Any, payload: str, seed: int, calls: int, barrier: Any, results: Any) -> None:
+    torch.set_num_threads(1)
+    _, make = make_payload(payload)
+    td = make(torch.Generator().manual_seed(seed))
+    for _ in range(3):  # connect, get slots, warm up
+        call(td.clone())
+    barrier.wait()
+    latencies = []
+    start = time.monotonic()
+    for _ in range(calls):
+        t = time.perf_counter()
+        call(td)
+        latencies.append(time.perf_counter() - t)
+    results.put((start, time.monotonic(), latencies))
+
+
+def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dict:
+    ctx = mp.get_context("spawn")
+    policy, make = make_payload(payload)
+    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    kw = {"max_batch_size": args.max_batch_size, "timeout": args.timeout}
+    if system == "ours":
+        server: Any = BatchedPolicyServer(policy, **kw)
+        clients = [server.remote_policy()] * procs
+    else:
+        sample = make(torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            response = policy(sample.clone()).select(*policy.out_keys)
+        response["policy_version"] = torch.zeros((), dtype=torch.long)
+        transport = ProcessSlotTransport(sample, response, num_slots=procs, ctx=ctx)
+        server = InferenceServer(policy, transport, **kw)
+        clients = [transport.client() for _ in range(procs)]
+    with server:
+        workers = [
+            ctx.Process(target=worker, args=(clients[i], payload, i, calls, barrier, results)) for i in range(procs)
+        ]
+        for w in workers:
+            w.start()
+        out = [results.get(timeout=600) for _ in workers]
+        for w in workers:
+            w.join(60)
+        mean_batch = (
+            server.statistics().mean_batch_size if system == "ours" else float(server.stats().get("avg_batch_size", 0))
+        )
+    starts, ends = [o[0] for o in out], [o[1] for o in out]
+    latencies = [x for o in out for x in o[2]]
+    n = procs * calls
+    return {
+        "system": system,
+        "payload": payload,
+        "procs": procs,
+        "rps": n / (max(ends) - min(starts)),
+        "p50_ms": _pct(latencies, 0.5),
+        "p99_ms": _pct(latencies, 0.99),
+        "mean_batch": mean_batch,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test, not a measurement")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=0.002)
+    parser.add_argument("--only", default=None, help="comma list of payloads (vector,pixels)")
+    parser.add_argument("--procs", default="2,4,8")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    torch.set_num_threads(1)
+    payloads = args.only.split(",") if args.only else ["vector", "pixels"]
+    runs: dict[tuple, list[dict]] = {}
+    for repeat in range(args.repeats):
+        for payload in payloads:
+            for procs in [int(p) for p in args.procs.split(",")]:
+                calls = (20 if args.quick else 1500) // (1 if payload == "vector" else 4)
+                for system in ("ours", "torchrl"):
+                    r = measure(system, payload, procs, calls, args)
+                    runs.setdefault((payload, procs, system), []).append(r)
+                    print(
+                        f"[{repeat}] {payload:6s} {procs} procs {system:8s} {r['rps']:8.0f} req/s "
+                        f"p50 {r['p50_ms']:6.2f} p99 {r['p99_ms']:6.2f} ms batch {r['mean_batch']:5.1f}",
+                        flush=True,
+                    )
+    rows = []
+    for (payload, procs, system), rs in runs.items():
+        if system != "ours":
+            continue
+        theirs = runs[(payload, procs, "torchrl")]
+        rows.append(
+            {
+                "payload": payload,
+                "procs": procs,
+                "ours": {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms", "mean_batch")},
+                "torchrl": {
+                    k: statistics.median(r[k] for r in theirs) for k in ("rps", "p50_ms", "p99_ms", "mean_batch")
+                },
+                "x_torchrl": statistics.median(a["rps"] / b["rps"] for a, b in zip(rs, theirs)),
+            }
+        )
+    write_report(rows, args)
+    return {"rows": rows}
+
+
+def write_report(rows: list[dict], args: Any) -> None:
+    name = "benchmarks_processes_quick.md" if args.quick else "benchmarks_processes.md"
+    lines = [
+        "# Process actors: torchrl_batchserve vs TorchRL's ProcessSlotTransport",
+        "",
+        f"Produced by `python benchmarks/processes.py{' --quick' if args.quick else ''}` on "
+        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
+        f"torchrl {__import__('torchrl').__version__}; {time.strftime('%Y-%m-%d')}. Spawned workers, one call at "
+        f"a time each; both servers in the parent with `max_batch_size={args.max_batch_size}`, "
+        f"`timeout={args.timeout}`; medians of {args.repeats} repeat(s), ratios within a repeat. Payloads as in "
+        "`docs/benchmarks.md`.",
+        "",
+        "| payload | worker processes | ours req/s | TorchRL req/s | x TorchRL | ours p50/p99 ms "
+        "| TorchRL p50/p99 ms | mean batch ours/TorchRL |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        o, t = r["ours"], r["torchrl"]
+        lines.append(
+            f"| {r['payload']} | {r['procs']} | {o['rps']:,.0f} | {t['rps']:,.0f} | **{r['x_torchrl']:.2f}** "
+            f"| {o['p50_ms']:.2f}/{o['p99_ms']:.2f} | {t['p50_ms']:.2f}/{t['p99_ms']:.2f} "
+            f"| {o['mean_batch']:.1f}/{t['mean_batch']:.1f} |"
+        )
+    lines += ["", "Reproduce: `python benchmarks/processes.py` (add `--quick` for a smoke run).", ""]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / name).write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

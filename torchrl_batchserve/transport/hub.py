@@ -1,0 +1,321 @@
+"""The server side of worker-process actors: a Unix socket and shared-memory slots.
+
+Each unpickled :class:`~torchrl_batchserve.RemotePolicy` in another process
+connects once (its own client: replies can never reach another worker) and
+then has one request at a time in flight. Tensors travel through the client's
+two slots (inputs, outputs: :mod:`~torchrl_batchserve.transport.slots`); the
+socket carries only a few bytes per request, and its blocking ``recv`` is how
+both sides wait: no polling. The socket is also the liveness signal: a worker
+that dies closes it, and the hub drops the worker (its slot memory goes with
+the last mapping); a server that dies or closes ends every client's ``recv``.
+
+One hub thread reads every client (one ``epoll`` set), turns
+each message into a :class:`ProcessRequest` and queues it through the
+server's endpoint; when a request completes a batch, the hub thread runs it
+itself, as a blocking caller would. Replies are written by whichever thread
+completes the request.
+
+Messages (pickled tuples; tensors only in the first request of a layout, or
+when they do not fit the slot):
+
+* client -> hub: ``("req", rows, batch_shape, interaction, inputs | None)``
+* hub -> client: ``("slot", "in" | "out", fields, capacity, size)`` followed by
+  the slot's descriptor (``SCM_RIGHTS``); ``("done", error, outputs | None,
+  keys)``; ``("closed",)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import selectors
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, Listener
+from multiprocessing.reduction import send_handle
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from tensordict.nn import InteractionType
+
+from torchrl_batchserve.errors import BadRequestError, BatchServeError
+from torchrl_batchserve.request import Request
+from torchrl_batchserve.transport.slots import Slot
+
+__all__ = ["ProcessHub", "ProcessRequest"]
+
+_log = logging.getLogger(__name__)
+_CPU = torch.device("cpu")
+
+
+def send(conn: Connection, message: Any) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+_DONE_BYTES = pickle.dumps(("done", None, None, None), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling, else a RuntimeError that says what it was."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+class _Client:
+    """A connected worker: its socket and its two slots."""
+
+    def __init__(self, conn: Connection, ident: int) -> None:
+        self.conn = conn
+        self.ident = ident
+        self.caller = ("process", ident)
+        self.send_lock = threading.Lock()
+        self.inputs: Slot | None = None
+        self.outputs: Slot | None = None
+        self.varying = False
+        self.alive = True
+
+    def send(self, message: Any, fd: int | None = None) -> None:
+        """Send ``message`` (``None``: a plain "done"), then the descriptor ``fd`` if any."""
+        with self.send_lock:
+            if not self.alive:
+                return
+            try:
+                if message is None:
+                    self.conn.send_bytes(_DONE_BYTES)  # the common reply, pickled once
+                else:
+                    send(self.conn, message)
+                if fd is not None:
+                    send_handle(self.conn, fd, 0)
+            except OSError:
+                self.alive = False  # the worker is gone; its reader sees EOF too
+            finally:
+                if fd is not None:
+                    os.close(fd)
+
+
+class ProcessRequest(Request):
+    """A request from a worker process; its outputs go back through the client's slot."""
+
+    __slots__ = ("client",)
+
+    def __init__(self, *args: Any, client: _Client) -> None:
+        super().__init__(*args)
+        self.client = client
+
+    def _wake(self) -> None:
+        client = self.client
+        if self.error is not None:
+            client.send(("done", _portable(self.error), None, None))
+            return
+        try:
+            self._reply(client)
+        except Exception as err:  # e.g. no memory for a slot: this request fails, not the batch
+            client.send(("done", _portable(err), None, None))
+
+    def _reply(self, client: _Client) -> None:
+        values, rows, dims = list(self.values), self.rows, len(self.batch_shape)
+        slot = client.outputs
+        if slot is None or not slot.fits(values, rows, dims):
+            if not all(isinstance(v, torch.Tensor) for v in values):
+                client.send(("done", None, values, list(self.keys)))  # non-tensor outputs: pickled
+                return
+            capacity = max(rows, slot.capacity if slot is not None else 1)
+            specs = [(k, v.dtype, tuple(v.shape[dims:])) for k, v in zip(self.keys, values)]
+            slot, fd = Slot.create(specs, capacity)
+            client.outputs = slot
+            client.send(("slot", "out", *slot.describe()), fd=fd)
+        slot.write([v.cpu() for v in values], rows, dims)
+        client.send(None)
+
+
+class ProcessHub:
+    """Accepts worker connections and feeds their requests to the server's queue.
+
+    Args:
+        keys: the entries requests carry (the layout's keys), in slot order.
+        make_request: ``make_request(cls, td, caller, interaction, **kwargs)``,
+            the endpoint's validation (raises ``BadRequestError``).
+        enqueue: ``enqueue(request, may_serve) -> batch | None`` (admission
+            and queueing; may raise when the server is closed or full).
+        serve: runs a batch the queue handed this thread.
+        trusted_slots: requests read from a slot skip validation (the slot's
+            layout was validated when it was made); the server sets it when
+            nothing needs the request's TensorDict (stacking collate, no
+            ``cost_fn``, no cache ``key_fn``).
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[Any],
+        make_request: Callable[..., Request],
+        enqueue: Callable[[Request, bool], Any],
+        serve: Callable[..., None],
+        trusted_slots: bool = False,
+    ) -> None:
+        self._keys = list(keys)
+        self._trusted = trusted_slots
+        self._make_request = make_request
+        self._enqueue = enqueue
+        self._serve = serve
+        self._dir = tempfile.mkdtemp(prefix="torchrl_batchserve-")
+        self.address = os.path.join(self._dir, "hub.sock")
+        self.authkey = secrets.token_bytes(16)
+        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        self._wake_r, self._wake_w = os.pipe()
+        self._lock = threading.Lock()
+        self._pending: list[_Client] = []
+        self._clients: dict[Connection, _Client] = {}
+        self._next_id = 0
+        self._closed = False
+        self._accepter = threading.Thread(target=self._accept_forever, name="batchserve-hub-accept", daemon=True)
+        self._reader = threading.Thread(target=self._read_forever, name="batchserve-hub", daemon=True)
+        self._accepter.start()
+        self._reader.start()
+
+    @property
+    def clients(self) -> int:
+        """How many worker clients are connected now."""
+        return len(self._clients) + len(self._pending)
+
+    def _accept_forever(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except (OSError, EOFError):
+                if self._closed:
+                    return
+                continue  # a client that failed the handshake
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._next_id += 1
+                self._pending.append(_Client(conn, self._next_id))
+            os.write(self._wake_w, b"x")
+
+    def _read_forever(self) -> None:
+        torch.set_grad_enabled(False)
+        selector = selectors.DefaultSelector()  # one epoll set for the hub's life, not one per wake
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
+        try:
+            while True:
+                with self._lock:
+                    if self._closed:
+                        return
+                    for client in self._pending:
+                        self._clients[client.conn] = client
+                        selector.register(client.conn, selectors.EVENT_READ, client)
+                    self._pending.clear()
+                for key, _ in selector.select():
+                    client = key.data
+                    if client is None:
+                        os.read(self._wake_r, 4096)
+                        continue
+                    if not client.alive:
+                        continue
+                    try:
+                        message = recv(client.conn)
+                    except (EOFError, OSError):
+                        selector.unregister(client.conn)
+                        self._drop(client)
+                        continue
+                    try:
+                        self._handle(client, message)
+                    except Exception:
+                        _log.exception("bad message from worker client %d; dropping it", client.ident)
+                        selector.unregister(client.conn)
+                        self._drop(client)
+        finally:
+            selector.close()
+
+    def _handle(self, client: _Client, message: tuple) -> None:
+        _, rows, batch_shape, interaction, data = message
+        mode = None if interaction is None else InteractionType(interaction)
+        try:
+            if data is not None:
+                request = self._make_request(ProcessRequest, data, client.caller, mode, client=client)
+                self._offer_slot(client, request)
+            else:  # the inputs are in the client's slot
+                request = self._from_slot(client, rows, batch_shape, mode)
+            batch = self._enqueue(request, True)
+        except BatchServeError as err:
+            client.send(("done", _portable(err), None, None))
+            return
+        if batch is not None:
+            self._serve(*batch)
+
+    def _from_slot(self, client: _Client, rows: int, batch_shape: tuple, mode: Any) -> Request:
+        slot = client.inputs
+        if slot is None:
+            raise BadRequestError("the client wrote to a slot it was never given")
+        if rows > slot.capacity:
+            raise BadRequestError(f"the request has {rows} rows; the client's slot holds {slot.capacity}")
+        if not self._trusted:
+            views = slot.read(rows, batch_shape, clone=False)
+            td = TensorDict(dict(zip([f.key for f in slot.fields], views)), batch_size=batch_shape)
+            return self._make_request(ProcessRequest, td, client.caller, mode, client=client)
+        # The slot's layout was validated with the request that made it: only
+        # the rows are new. Inputs are views, as validation would return them.
+        if batch_shape:
+            inputs = tuple(t[:rows] for t in slot.tensors.values())
+        else:
+            inputs = tuple(t[0] for t in slot.tensors.values())
+        return ProcessRequest(None, inputs, rows, torch.Size(batch_shape), client.caller, mode, _CPU, client=client)
+
+    def _offer_slot(self, client: _Client, request: Request) -> None:
+        """A request came with its tensors: give the client a slot for the next ones."""
+        inputs = request.inputs
+        if client.varying or not all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in inputs):
+            return  # non-tensor or device inputs always travel pickled
+        dims = 1 if request.batch_shape else 0
+        specs = [(k, v.dtype, tuple(v.shape[dims:])) for k, v in zip(self._keys, inputs)]
+        old = client.inputs
+        if old is not None and old.specs() != specs:
+            client.varying = True  # variable-length inputs: one slot per length would cost more than it saves
+            return
+        capacity = max(request.rows, old.capacity if old is not None else 1)
+        slot, fd = Slot.create(specs, capacity)
+        client.inputs = slot
+        client.send(("slot", "in", *slot.describe()), fd=fd)
+
+    def _drop(self, client: _Client) -> None:
+        client.alive = False
+        self._clients.pop(client.conn, None)
+        try:
+            client.conn.close()
+        except OSError:
+            pass
+        client.inputs = client.outputs = None  # the memory goes with the last view
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop accepting, tell every client the server closed, release everything."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            clients = list(self._clients.values()) + self._pending
+            self._pending.clear()
+        os.write(self._wake_w, b"x")
+        self._listener.close()  # ends accept() and removes the socket file
+        self._reader.join(timeout)
+        for client in clients:
+            client.send(("closed",))
+            self._drop(client)
+        self._clients.clear()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        try:
+            os.rmdir(self._dir)
+        except OSError:
+            pass
