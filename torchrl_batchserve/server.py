@@ -386,6 +386,7 @@ class BatchedPolicyServer(TensorDictModule):
                 if taken is None:
                     return
                 self._serve(*taken)
+                taken = None  # do not keep the last batch (and the memory its inputs view) alive while idle
         except Exception:
             # _serve already failed every request with ServerBrokenError.
             _log.exception("the serve loop of %s died", type(self).__name__)

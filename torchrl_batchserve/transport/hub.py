@@ -222,9 +222,9 @@ class ProcessHub:
                     if client is None:
                         os.read(self._wake_r, 4096)
                         continue
-                    if not client.alive:
-                        continue
                     try:
+                        if not client.alive:  # a reply found it gone
+                            raise EOFError
                         message = recv(client.conn)
                     except (EOFError, OSError):
                         selector.unregister(client.conn)

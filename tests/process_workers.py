@@ -1,0 +1,87 @@
+"""Functions that run in worker processes (importable by spawned children)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
+from torch import nn
+
+from torchrl_batchserve import BatchedPolicyServer, BatchServeError
+
+
+def make_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def random_requests(remote: Any, seed: int, n: int, results: Any) -> None:
+    """``n`` requests of random batch shapes; sends back (inputs, outputs, versions) as lists."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        shape = [(), (3,), (2, 2)][int(torch.randint(0, 3, (), generator=g))]
+        td = remote(TensorDict(observation=torch.randn(*shape, 8, generator=g), batch_size=shape))
+        out.append((td["observation"].tolist(), td["logits"].tolist(), td["policy_version"].tolist(), list(shape)))
+    results.put((seed, os.getpid(), out))
+
+
+def call_until_told(remote: Any, started: Any, results: Any) -> None:
+    """One request; reports its outcome (used while the server is gated, killed or closed)."""
+    started.set()
+    try:
+        td = remote(TensorDict(observation=torch.ones(8)))
+        results.put(("ok", td["logits"].tolist()))
+    except BatchServeError as err:
+        results.put((type(err).__name__, str(err)))
+
+
+def interaction_of_requests(remote: Any, results: Any) -> None:
+    out = []
+    for mode in (InteractionType.DETERMINISTIC, InteractionType.RANDOM):
+        with set_interaction_type(mode):
+            out.append(int(remote(TensorDict(observation=torch.ones(8)))["mode"]))
+    results.put(out)
+
+
+class ModeEcho(nn.Module):
+    """Returns 1 under DETERMINISTIC, 2 under RANDOM, 0 otherwise (the batch's interaction type)."""
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        from tensordict.nn.probabilistic import interaction_type
+
+        code = {InteractionType.DETERMINISTIC: 1, InteractionType.RANDOM: 2}.get(interaction_type(), 0)
+        return torch.full(observation.shape[:-1], code)
+
+
+class Blocking(nn.Module):
+    """A policy that never returns: the server process is killed while it runs."""
+
+    def __init__(self, entered: Any) -> None:
+        super().__init__()
+        self.entered = entered
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        threading.Event().wait()
+        return observation
+
+
+def serve_then_hang(pickled: Any, entered: Any) -> None:
+    """A server in its own process: hands out a pickled RemotePolicy, then blocks in its forward."""
+    policy = TensorDictModule(Blocking(entered), in_keys=["observation"], out_keys=["logits"])
+    server = BatchedPolicyServer(policy).start()
+    pickled.put(pickle.dumps(server.remote_policy()))
+    while True:
+        time.sleep(3600)
+
+
+def kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)

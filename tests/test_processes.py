@@ -1,0 +1,253 @@
+"""Worker processes as actors: pickling, correctness, liveness, collectors, no leaks."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import threading
+import time
+
+import process_workers as pw
+import pytest
+import torch
+from conftest import GatedPolicy
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from torchrl_batchserve import BatchedPolicyServer, ServerBrokenError, ServerClosedError
+from torchrl_batchserve.transport.client import ProcessClient
+
+SPAWN = mp.get_context("spawn")
+
+
+def slot_mappings() -> int:
+    """Slot memory this process still maps or holds a descriptor of."""
+    with open("/proc/self/maps") as f:
+        mapped = sum("torchrl_batchserve-slot" in line for line in f)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += "torchrl_batchserve-slot" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return mapped + fds
+
+
+def wait_for(condition, what: str, timeout: float = 20.0) -> None:
+    """Wait for a state another process changes (no event crosses the process boundary here)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def check_results(net, results) -> int:
+    rows = 0
+    for obs, logits, versions, shape in results:
+        obs, logits = torch.tensor(obs), torch.tensor(logits)
+        with torch.no_grad():
+            torch.testing.assert_close(logits, net(obs))
+        assert list(obs.shape[:-1]) == shape and torch.tensor(versions).eq(0).all()
+        rows += max(1, obs[..., 0].numel())
+    return rows
+
+
+def test_n_workers_m_requests_each_get_their_own_results():
+    net = pw.make_net()
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, max_batch_size=16, timeout=0.01) as server:
+        remote = server.remote_policy()  # one object handed to every worker
+        results = SPAWN.Queue()
+        workers = [SPAWN.Process(target=pw.random_requests, args=(remote, seed, 40, results)) for seed in range(3)]
+        for w in workers:
+            w.start()
+        outs = [results.get(timeout=120) for _ in workers]
+        for w in workers:
+            w.join(30)
+        stats = server.statistics()
+        address = server._hub.address
+        wait_for(lambda: server._hub.clients == 0, "the hub to drop the workers that exited")
+        gc.collect()
+        assert slot_mappings() == 0  # their slots went with them
+    assert sorted(seed for seed, _, _ in outs) == [0, 1, 2] and len({pid for _, pid, _ in outs}) == 3
+    for _, _, out in outs:
+        check_results(net, out)
+    assert stats.requests == 120 and stats.mean_batch_size > 1  # batched across processes
+    assert not os.path.exists(os.path.dirname(address))  # the socket and its folder are gone with the server
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+def test_remote_policy_survives_every_start_method(method):
+    ctx = mp.get_context(method)
+    net = pw.make_net()
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, timeout=0.01) as server:
+        remote = server.remote_policy()
+        results = ctx.Queue()
+        workers = [ctx.Process(target=pw.random_requests, args=(remote, seed, 10, results)) for seed in range(2)]
+        for w in workers:
+            w.start()
+        outs = [results.get(timeout=120) for _ in workers]
+        for w in workers:
+            w.join(30)
+    for _, _, out in outs:
+        check_results(net, out)
+
+
+def test_pickled_copies_are_separate_clients():
+    policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        a, b = pickle.loads(pickle.dumps(remote)), pickle.loads(pickle.dumps(remote))
+        assert isinstance(a._endpoint, ProcessClient) and a._endpoint is not b._endpoint
+        ta, tb = a(TensorDict(observation=torch.zeros(8))), b(TensorDict(observation=torch.ones(8)))
+        assert server._hub.clients == 2
+        with torch.no_grad():
+            torch.testing.assert_close(tb["logits"], policy.module(torch.ones(8)))
+            torch.testing.assert_close(ta["logits"], policy.module(torch.zeros(8)))
+        assert slot_mappings() > 0  # each client: an input and an output slot, mapped on both sides
+    del a, b, ta, tb
+    gc.collect()
+    assert slot_mappings() == 0  # anonymous memory files: nothing named to leak, nothing left once unused
+
+
+def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
+    gated = GatedPolicy(pw.make_net(), block_first=1)
+    with BatchedPolicyServer(gated, timeout=0.01) as server:
+        remote = server.remote_policy()
+        started, results = SPAWN.Event(), SPAWN.Queue()
+        victim = SPAWN.Process(target=pw.call_until_told, args=(remote, started, results))
+        victim.start()
+        assert gated.entered.wait(120)  # the victim's request is in the forward
+        pw.kill(victim.pid)
+        victim.join(30)
+        gated.gate.set()  # the dead worker's batch completes; its reply goes nowhere
+        wait_for(lambda: server._hub.clients == 0, "the hub to drop the dead worker")
+        others = SPAWN.Queue()
+        workers = [SPAWN.Process(target=pw.random_requests, args=(remote, seed, 15, others)) for seed in (5, 6)]
+        for w in workers:
+            w.start()
+        outs = [others.get(timeout=120) for _ in workers]
+        for w in workers:
+            w.join(30)
+        assert results.empty()  # the victim never reported anything
+    for _, _, out in outs:
+        check_results(gated.net, out)
+    gc.collect()
+    assert slot_mappings() == 0
+
+
+def test_closing_the_server_fails_waiting_workers_promptly():
+    gated = GatedPolicy(pw.make_net(), block_first=1)
+    server = BatchedPolicyServer(gated, timeout=1e6)
+    remote = server.remote_policy()
+    local = server.submit(TensorDict(observation=torch.zeros(8)))  # holds the serve loop
+    assert gated.entered.wait(10)
+    started, results = SPAWN.Event(), SPAWN.Queue()
+    worker = SPAWN.Process(target=pw.call_until_told, args=(remote, started, results))
+    worker.start()
+    wait_for(lambda: server.statistics().requests == 0 and server._queue._items, "the worker's request to queue")
+    t = time.monotonic()
+    server.close(wait=False, cancel_pending=True)
+    kind, message = results.get(timeout=30)
+    assert kind == "ServerClosedError" and "closed" in message and time.monotonic() - t < 10
+    gated.gate.set()
+    local.result(10)
+    assert server.close(timeout=10)
+    worker.join(30)
+    late = pickle.loads(pickle.dumps(remote))
+    with pytest.raises(ServerClosedError):
+        late(TensorDict(observation=torch.zeros(8)))
+
+
+def test_workers_waiting_on_a_dead_server_process_get_broken_error():
+    pickled, entered = SPAWN.Queue(), SPAWN.Event()
+    host = SPAWN.Process(target=pw.serve_then_hang, args=(pickled, entered))
+    host.start()
+    remote = pickle.loads(pickled.get(timeout=120))
+    outcome: list = []
+
+    def call() -> None:
+        try:
+            remote(TensorDict(observation=torch.ones(8)))
+        except ServerBrokenError as err:
+            outcome.append(err)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert entered.wait(60)  # the request is in the server's forward
+    pw.kill(host.pid)
+    caller.join(30)
+    assert not caller.is_alive() and outcome and "ended" in str(outcome[0])
+    host.join(10)
+    with pytest.raises(ServerClosedError):
+        remote(TensorDict(observation=torch.ones(8)))
+
+
+def test_workers_carry_their_interaction_type():
+    policy = TensorDictModule(pw.ModeEcho(), in_keys=["observation"], out_keys=["mode"])
+    with BatchedPolicyServer(policy, policy_version_key=None) as server:
+        results = SPAWN.Queue()
+        worker = SPAWN.Process(target=pw.interaction_of_requests, args=(server.remote_policy(), results))
+        worker.start()
+        assert results.get(timeout=120) == [1, 2]
+        worker.join(30)
+
+
+def test_bad_requests_from_a_worker_get_typed_errors():
+    policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        remote = pickle.loads(pickle.dumps(server.remote_policy()))
+        remote(TensorDict(observation=torch.zeros(8)))
+        from torchrl_batchserve import BadRequestError
+
+        with pytest.raises(BadRequestError, match=r"key 'observation': expected feature shape \(8,\)"):
+            remote(TensorDict(observation=torch.zeros(5)))
+        with pytest.raises(BadRequestError, match="key 'observation': missing"):
+            remote(TensorDict(other=torch.zeros(8)))
+        assert remote(TensorDict(observation=torch.zeros(4, 8), batch_size=[4]))["logits"].shape == (4, 3)
+
+
+class PendulumPolicy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.tanh(self.lin(torch.stack([th.sin(), th.cos(), thdot], -1)))
+
+
+@pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector", "MultiAsyncCollector", "num_collectors"])
+def test_collectors_store_the_policys_actions(kind):
+    from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
+    from torchrl.envs import PendulumEnv
+
+    net = PendulumPolicy()
+    policy = TensorDictModule(net, in_keys=["th", "thdot"], out_keys=["action"])
+    kw = {"auto_register_policy_transforms": False}
+    with BatchedPolicyServer(policy, max_batch_size=8, timeout=0.005) as server:
+        remote = server.remote_policy()
+        if kind == "Collector":
+            collector = Collector(PendulumEnv, remote, frames_per_batch=16, total_frames=32, **kw)
+        elif kind == "MultiSyncCollector":
+            collector = MultiSyncCollector([PendulumEnv] * 2, remote, frames_per_batch=32, total_frames=64, **kw)
+        elif kind == "MultiAsyncCollector":
+            collector = MultiAsyncCollector([PendulumEnv] * 2, remote, frames_per_batch=16, total_frames=64, **kw)
+        else:
+            collector = Collector(PendulumEnv, remote, frames_per_batch=32, total_frames=64, num_collectors=2, **kw)
+        frames = 0
+        try:
+            for batch in collector:
+                with torch.no_grad():
+                    torch.testing.assert_close(batch["action"], net(batch["th"], batch["thdot"]))
+                assert batch["policy_version"].eq(0).all()
+                frames += batch.numel()
+                collector.update_policy_weights_()  # no weight-sync configuration: harmless
+        finally:
+            collector.shutdown()
+        stats = server.statistics()
+    assert frames >= 32 and stats.requests > 0 and stats.failed_batches == 0
