@@ -15,8 +15,9 @@ win rates are printed, saved as JSON and plotted.
     python examples/mcts_selfplay.py                       # Connect Four, threads, the server
     python examples/mcts_selfplay.py no_server=true        # one model copy per searcher instead
     python examples/mcts_selfplay.py mode=asyncio game=tictactoe rounds=4
+    python examples/mcts_selfplay.py mode=processes searchers=8    # worker processes
 
-Searchers batch *across games*: every searcher has one leaf in flight. See
+Searchers (threads, asyncio tasks or worker processes) batch *across games*: every searcher has one leaf in flight. See
 ``docs/mcts.md`` for batching within a tree (virtual loss) and the numbers.
 """
 
@@ -26,6 +27,8 @@ import asyncio
 import copy
 import json
 import math
+import multiprocessing as mp
+import pickle
 import random
 import threading
 import time
@@ -408,12 +411,19 @@ async def adrive(game: Search, acall: Callable[[TensorDictBase], Any], evals: Co
         return stop.value
 
 
+def play(env: EnvBase, cfg: DictConfig, job: tuple) -> Search:
+    """The game a job names: ``("self_play", seed)`` or ``("match", opponent, net_first, seed)``."""
+    if job[0] == "self_play":
+        return self_play(env, cfg, job[1])
+    return match(env, cfg, *job[1:])
+
+
 def run_games(
-    games: list[Callable[[], Search]], cfg: DictConfig, calls: list[Any], evals: Counter, done: Callable[[Any], None]
+    env: EnvBase, jobs: list[tuple], cfg: DictConfig, calls: list[Any], evals: Counter, done: Callable[[Any], None]
 ) -> list[Any]:
-    """Play ``games`` with ``cfg.searchers`` searchers (threads or asyncio tasks); ``calls[i]`` serves searcher i."""
-    results: list[Any] = [None] * len(games)
-    todo = iter(range(len(games)))
+    """Play ``jobs`` with ``cfg.searchers`` searchers (threads or asyncio tasks); ``calls[i]`` serves searcher i."""
+    results: list[Any] = [None] * len(jobs)
+    todo = iter(range(len(jobs)))
     lock = threading.Lock()
 
     def next_game() -> int | None:
@@ -425,7 +435,7 @@ def run_games(
         def searcher(i: int) -> None:
             with torch.no_grad():  # grad mode is per thread
                 while (g := next_game()) is not None:
-                    results[g] = drive(games[g](), calls[i], evals)
+                    results[g] = drive(play(env, cfg, jobs[g]), calls[i], evals)
                     done(results[g])
 
         with ThreadPoolExecutor(cfg.searchers) as pool:
@@ -434,7 +444,7 @@ def run_games(
 
         async def task(i: int) -> None:
             while (g := next_game()) is not None:
-                results[g] = await adrive(games[g](), calls[i], evals)
+                results[g] = await adrive(play(env, cfg, jobs[g]), calls[i], evals)
                 done(results[g])
 
         async def main() -> None:
@@ -442,8 +452,70 @@ def run_games(
 
         asyncio.run(main())
     else:
-        raise ValueError(f"mode must be 'threads' or 'asyncio' (got {cfg.mode!r})")
+        raise ValueError(f"mode must be 'threads', 'asyncio' or 'processes' (got {cfg.mode!r})")
     return results
+
+
+class ProcessSearchers:
+    """``cfg.searchers`` worker processes (spawned once), each playing the jobs it takes.
+
+    With a server, each worker holds a pickled copy of its ``RemotePolicy``
+    (its own client of the server); without one, each holds a model copy
+    whose weights come with the jobs.
+    """
+
+    def __init__(self, cfg: DictConfig, remote: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._jobs, self._results = ctx.Queue(), ctx.Queue()
+        config = OmegaConf.to_container(cfg, resolve=True)
+        self._procs = [
+            ctx.Process(target=_searcher_process, args=(config, remote, self._jobs, self._results), daemon=True)
+            for _ in range(cfg.searchers)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, jobs: list[tuple], evals: Counter, done: Callable[[Any], None], weights: Any = None) -> list[Any]:
+        for i, job in enumerate(jobs):
+            self._jobs.put((i, job, weights))
+        results: list[Any] = [None] * len(jobs)
+        for _ in jobs:
+            i, payload, evaluations = self._results.get(timeout=3600)
+            result = pickle.loads(payload)
+            if isinstance(result, BaseException):
+                raise result
+            results[i] = result
+            evals.add(evaluations)
+            done(result)
+        return results
+
+    def close(self) -> None:
+        for _ in self._procs:
+            self._jobs.put(None)
+        for proc in self._procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _searcher_process(config: dict, remote: Any, jobs: Any, results: Any) -> None:
+    torch.set_num_threads(1)
+    cfg = OmegaConf.create(config)
+    env = make_env(cfg.game)
+    local, loaded = (None, None) if remote is not None else (make_policy(env, cfg.seed), None)
+    with torch.no_grad():
+        while (item := jobs.get()) is not None:
+            i, job, weights = item
+            if local is not None and weights is not None and weights[0] != loaded:
+                local.module.load_state_dict(pickle.loads(weights[1]))
+                loaded = weights[0]
+            call = remote if remote is not None else _direct(local)  # type: ignore[arg-type]
+            counter = Counter()
+            try:
+                result = drive(play(env, cfg, job), call, counter)
+            except Exception as err:
+                result = err
+            results.put((i, pickle.dumps(result), counter.value))
 
 
 # -- training and the whole run ----------------------------------------------------------------
@@ -488,7 +560,10 @@ def run(cfg: DictConfig) -> dict:
     total_games = cfg.rounds * cfg.games_per_round
     bar = tqdm(total=total_games, desc=f"{cfg.game} self-play", unit="game", disable=not cfg.progress)
     server = None if cfg.no_server else build_server(cfg.server, served)
-    copies = [copy.deepcopy(served) for _ in range(cfg.searchers)] if cfg.no_server else []
+    procs = cfg.mode == "processes"
+    copies = [copy.deepcopy(served) for _ in range(cfg.searchers)] if cfg.no_server and not procs else []
+
+    pool = ProcessSearchers(cfg, server.remote_policy() if server is not None else None) if procs else None
 
     def calls() -> list[Any]:
         if server is not None:
@@ -496,6 +571,12 @@ def run(cfg: DictConfig) -> dict:
             return [remote.acall if cfg.mode == "asyncio" else remote] * cfg.searchers
         local = [_direct(c) for c in copies]
         return [_as_async(c) for c in local] if cfg.mode == "asyncio" else local
+
+    def games(jobs: list[tuple], counter: Counter, done: Callable[[Any], None]) -> list[Any]:
+        if pool is not None:
+            weights = None if server is not None else (version, pickle.dumps(learner.module.state_dict()))
+            return pool.run(jobs, counter, done, weights)
+        return run_games(env, jobs, cfg, calls(), counter, done)
 
     def status() -> dict:
         out = {"games": games_played, "evals/s": f"{evals.value / max(1e-9, time.perf_counter() - start):.0f}"}
@@ -511,12 +592,9 @@ def run(cfg: DictConfig) -> dict:
     def evaluate_now(version: int) -> dict:
         scores: dict[str, float] = {}
         for opponent in ("random", "mcts"):
-            games = [
-                (lambda i=i, o=opponent: match(env, cfg, o, net_first=i % 2 == 0, seed=10_000 + i))
-                for i in range(cfg.eval.games)
-            ]
+            jobs = [("match", opponent, i % 2 == 0, 10_000 + i) for i in range(cfg.eval.games)]
             with torch.no_grad():
-                results = run_games(games, cfg, calls(), Counter(), lambda r: None)
+                results = games(jobs, Counter(), lambda r: None)
             scores[opponent] = sum(results) / len(results)
         row = {"games": games_played, "policy_version": version, "vs_random": scores["random"]}
         row["vs_mcts"] = scores["mcts"]
@@ -532,13 +610,10 @@ def run(cfg: DictConfig) -> dict:
         if server is not None:
             server.start()
         for r in range(cfg.rounds):
-            games = [
-                (lambda s=cfg.seed * 1_000_000 + games_played + i: self_play(env, cfg, s))
-                for i in range(cfg.games_per_round)
-            ]
+            jobs = [("self_play", cfg.seed * 1_000_000 + games_played + i) for i in range(cfg.games_per_round)]
             t = time.perf_counter()
             with torch.no_grad():
-                results = run_games(games, cfg, calls(), evals, finished)
+                results = games(jobs, evals, finished)
             self_play_seconds += time.perf_counter() - t
             games_played += len(results)
             for res in results:
@@ -559,6 +634,8 @@ def run(cfg: DictConfig) -> dict:
                 history.append(row)
     finally:
         bar.close()
+        if pool is not None:
+            pool.close()
         stats = server.statistics() if server is not None else None
         if server is not None:
             server.close()

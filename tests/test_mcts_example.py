@@ -12,11 +12,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-try:
-    import mcts_selfplay as mcts
-finally:
-    sys.path.pop(0)
+sys.path.insert(0, str(ROOT / "examples"))  # kept: spawned searcher processes import the example too
+import mcts_selfplay as mcts  # noqa: E402
 
 
 def config(*overrides: str):
@@ -70,8 +67,10 @@ def test_playouts_agree_between_the_fast_rules_and_env_step():
         ["mode=threads"],
         ["mode=asyncio", "game=tictactoe"],
         ["no_server=true"],
+        ["mode=processes", "searchers=2"],
+        ["mode=processes", "searchers=2", "no_server=true", "game=tictactoe"],
     ],
-    ids=["threads-connect4", "asyncio-tictactoe", "no-server"],
+    ids=["threads-connect4", "asyncio-tictactoe", "no-server", "processes", "processes-no-server"],
 )
 def test_selfplay_smoke(tmp_path, overrides):
     cfg = config(
