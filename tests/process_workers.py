@@ -85,3 +85,41 @@ def serve_then_hang(pickled: Any, entered: Any) -> None:
 
 def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def weight_server(rank: int, world: int, port: int, final: int, reached: Any, stop: Any, results: Any) -> None:
+    """A server process in a weight group: actors query it while the trainer pushes versions."""
+    import torch.distributed as dist
+
+    policy = TensorDictModule(make_net(0), in_keys=["observation"], out_keys=["logits"])
+    records: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[], []]
+    with BatchedPolicyServer(policy, max_batch_size=8, timeout=0.001) as server:
+        server.receive_weights("127.0.0.1", port, rank, world, timeout=60)
+
+        def actor(i: int) -> None:
+            remote = server.remote_policy()
+            g = torch.Generator().manual_seed(rank * 10 + i)
+            while not stop.is_set():
+                x = torch.randn(8, generator=g)
+                td = remote(TensorDict(observation=x))
+                version = int(td["policy_version"])
+                records[i].append((version, x, td["logits"]))
+                if version >= final:
+                    reached.set()
+
+        threads = [threading.Thread(target=actor, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    references: dict[int, nn.Module] = {}
+    mismatches, monotonic = 0, True
+    for record in records:
+        versions = [v for v, _, _ in record]
+        monotonic &= versions == sorted(versions)
+        for version, x, y in record:
+            net = references.setdefault(version, make_net(version))
+            with torch.no_grad():
+                mismatches += not torch.allclose(net(x), y, atol=1e-6)
+    seen = sorted({v for record in records for v, _, _ in record})
+    results.put((rank, seen, monotonic, mismatches, sum(map(len, records)), dist.is_initialized()))

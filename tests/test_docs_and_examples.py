@@ -95,3 +95,24 @@ def test_varlen_benchmark_quick_smoke(tmp_path):
     assert set(rows) == {"ours-pad", "ours-buckets", "ours-pack", "torchrl-pad"}
     assert rows["ours-pack"]["overhead"] == 1.0  # packing computes no padding
     assert rows["ours-pad"]["overhead"] > 1.0 and all(r["rps"] > 0 for r in rows.values())
+
+
+def _bench(name):
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.append(str(ROOT / "benchmarks"))  # kept: spawned benchmark workers import it too
+    return __import__(name)
+
+
+def test_process_benchmark_quick_smoke(tmp_path):
+    out = _bench("processes").main(["--quick", "--only", "vector", "--procs", "2", "--out", str(tmp_path)])
+    (row,) = out["rows"]
+    assert row["procs"] == 2 and row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0
+    assert (tmp_path / "benchmarks_processes_quick.md").exists()
+
+
+def test_weights_benchmark_quick_smoke(tmp_path):
+    out = _bench("weights").main(["--quick", "--out", str(tmp_path)])
+    for row in out["rows"]:
+        assert row["ours"]["pushes"] > 0 and row["torchrl"]["pushes"] > 0
+        assert row["ours"]["lag_ms"] > 0 and row["torchrl"]["pushing"] > 0
+    assert (tmp_path / "benchmarks_weights_quick.md").exists()

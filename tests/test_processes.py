@@ -251,3 +251,107 @@ def test_collectors_store_the_policys_actions(kind):
             collector.shutdown()
         stats = server.statistics()
     assert frames >= 32 and stats.requests > 0 and stats.failed_batches == 0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_trainer_pushes_versions_to_two_server_processes_over_a_dedicated_group():
+    import torch.distributed as dist
+
+    from torchrl_batchserve import WeightBroadcaster, WeightSyncError
+
+    port, final = free_port(), 5
+    reached = [SPAWN.Event(), SPAWN.Event()]
+    stop, results = SPAWN.Event(), SPAWN.Queue()
+    servers = [
+        SPAWN.Process(target=pw.weight_server, args=(rank, 3, port, final, reached[rank - 1], stop, results))
+        for rank in (1, 2)
+    ]
+    for s in servers:
+        s.start()
+    trainer = WeightBroadcaster("127.0.0.1", port, 3, timeout=60)  # returns once both servers joined
+    try:
+        for version in range(1, final - 1):
+            net = TensorDictModule(pw.make_net(version), in_keys=["observation"], out_keys=["logits"])
+            assert trainer.push(net) == version
+        wrong = TensorDictModule(
+            nn.Sequential(nn.Linear(8, 17), nn.Tanh(), nn.Linear(17, 3)), in_keys=["observation"], out_keys=["logits"]
+        )
+        with pytest.raises(WeightSyncError, match=r"version 4 rejected.*rank 1: metadata mismatch.*rank 2"):
+            trainer.push(wrong)
+        assert trainer.version == final - 2  # the rejected push changed nothing
+        net = TensorDictModule(pw.make_net(final), in_keys=["observation"], out_keys=["logits"])
+        assert trainer.push(net, version=final) == final
+        for event in reached:
+            assert event.wait(60)  # every server served the last version
+        stop.set()
+        outs = sorted(results.get(timeout=60) for _ in servers)
+    finally:
+        stop.set()
+        trainer.close()
+        for s in servers:
+            s.join(30)
+    assert [out[0] for out in outs] == [1, 2]
+    for _rank, seen, monotonic, mismatches, served, default_group in outs:
+        assert monotonic and mismatches == 0 and served > 0
+        assert seen[0] == 0 and seen[-1] == final and set(seen) <= {0, 1, 2, 3, final}
+        assert not default_group
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector", "legacy weight_updater"])
+def test_collector_weight_updates_reach_the_server(kind):
+    import copy
+
+    from torchrl.collectors import Collector, MultiSyncCollector
+    from torchrl.envs import PendulumEnv
+
+    from torchrl_batchserve import weight_updater
+
+    policy = TensorDictModule(PendulumPolicy(), in_keys=["th", "thdot"], out_keys=["action"])
+    trainer = copy.deepcopy(policy)
+    kw = {"frames_per_batch": 32, "total_frames": 96, "auto_register_policy_transforms": False}
+    with BatchedPolicyServer(policy, max_batch_size=8, timeout=0.005) as server:
+        remote = server.remote_policy()
+        if kind == "Collector":
+            collector = Collector(
+                PendulumEnv, remote, weight_sync_schemes={"policy": server.weight_sync_scheme()}, **kw
+            )
+        elif kind == "MultiSyncCollector":
+            schemes = {"policy": server.weight_sync_scheme()}
+            collector = MultiSyncCollector([PendulumEnv] * 2, remote, weight_sync_schemes=schemes, **kw)
+        else:
+            collector = Collector(PendulumEnv, remote, weight_updater=weight_updater(server), **kw)
+        seen = []
+        try:
+            for batch in collector:
+                with torch.no_grad():  # every action is the trainer's current policy's
+                    torch.testing.assert_close(batch["action"], trainer.module(batch["th"], batch["thdot"]))
+                seen.append(batch["policy_version"].unique().tolist())
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.add_(0.1)
+                collector.update_policy_weights_(trainer)
+        finally:
+            collector.shutdown()
+    assert seen == [[0], [1], [2]]  # new rollouts carry the new version
+
+
+def test_scheme_arguments_and_clean_import():
+    import subprocess
+    import sys
+
+    from torchrl_batchserve import BatchServeWeightSyncScheme
+
+    with pytest.raises(ValueError, match="give either server= .* or address=, port= and world_size="):
+        BatchServeWeightSyncScheme()
+    with pytest.raises(ValueError, match="give either server="):
+        BatchServeWeightSyncScheme(object(), address="127.0.0.1", port=1, world_size=2)
+    code = "import warnings; warnings.simplefilter('error'); import torchrl_batchserve"
+    subprocess.run([sys.executable, "-c", code], check=True)  # no DeprecationWarning from WeightUpdaterBase

@@ -7,6 +7,7 @@ runs one forward on the policy's device and hands every actor its own rows.
 
 from torchrl_batchserve.cache import EvaluationCache
 from torchrl_batchserve.collate import Collate, FunctionCollate, StackCollate
+from torchrl_batchserve.distributed import WeightBroadcaster, WeightReceiver
 from torchrl_batchserve.errors import (
     BadRequestError,
     BatchServeError,
@@ -20,12 +21,14 @@ from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics
 from torchrl_batchserve.varlen import LengthCost, PackCollate, PadCollate
+from torchrl_batchserve.weight_sync import BatchServeWeightSyncScheme, weight_updater
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BadRequestError",
     "BatchServeError",
+    "BatchServeWeightSyncScheme",
     "BatchedPolicyServer",
     "Collate",
     "EvaluationCache",
@@ -40,5 +43,8 @@ __all__ = [
     "ServerClosedError",
     "ServerStatistics",
     "StackCollate",
+    "WeightBroadcaster",
+    "WeightReceiver",
     "WeightSyncError",
+    "weight_updater",
 ]

@@ -31,6 +31,7 @@ from torch import nn
 from torchrl_batchserve.cache import HIT, JOINED, EvaluationCache
 from torchrl_batchserve.collate import StackCollate, as_collate, split_values
 from torchrl_batchserve.direct import direct_call, usable
+from torchrl_batchserve.distributed import WeightReceiver
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import FireReason, RequestQueue
@@ -220,6 +221,7 @@ class BatchedPolicyServer(TensorDictModule):
             self._start_hub,
         )
         self._hub: ProcessHub | None = None
+        self._receivers: list[WeightReceiver] = []
         _serve_forks(self)
 
     # -- the module face -------------------------------------------------------
@@ -264,6 +266,9 @@ class BatchedPolicyServer(TensorDictModule):
             thread = self._thread
             pending = self._queue.close(cancel_pending or thread is None)
             hub, self._hub = self._hub, None
+            receivers, self._receivers = self._receivers, []
+        for receiver in receivers:
+            receiver.close(timeout if wait and timeout is not None else 2.0)
         fail_all(self._with_followers(pending), ServerClosedError("the server was closed before this request ran"))
         if thread is not None and wait and thread is not threading.current_thread():
             thread.join(timeout)
@@ -336,9 +341,40 @@ class BatchedPolicyServer(TensorDictModule):
         thread; the serve loop only swaps it in between two batches.
         """
         version = self._weights.stage(weights)
+        self._staged(version)
+        return version
+
+    def receive_weights(
+        self, address: str, port: int, rank: int, world_size: int, *, timeout: float = 60.0
+    ) -> WeightReceiver:
+        """Join a trainer's weight group as server ``rank`` and serve what it pushes.
+
+        The trainer runs a :class:`~torchrl_batchserve.WeightBroadcaster` (or a
+        :class:`~torchrl_batchserve.BatchServeWeightSyncScheme` with an address)
+        on ``address:port`` with the same ``world_size``. Pushes are received in
+        a thread into a shadow copy and served from the next batch on; the
+        default process group is never touched. Stops with the server.
+        """
+        receiver = WeightReceiver(self._weights, self._staged, address, port, rank, world_size, timeout=timeout)
+        with self._lifecycle:
+            self._receivers.append(receiver)
+        return receiver
+
+    def weight_sync_scheme(self) -> Any:
+        """A TorchRL ``WeightSyncScheme`` that updates this server's weights.
+
+        For ``Collector(..., policy=server.remote_policy(),
+        weight_sync_schemes={"policy": server.weight_sync_scheme()})``:
+        ``collector.update_policy_weights_(trainer_policy)`` then serves the
+        trainer's weights from the next batch on.
+        """
+        from torchrl_batchserve.weight_sync import BatchServeWeightSyncScheme
+
+        return BatchServeWeightSyncScheme(server=self)
+
+    def _staged(self, version: int) -> None:
         if not self._worker_alive():
             self._apply_weights()  # nobody else will, until the loop runs
-        return version
 
     def statistics(self) -> ServerStatistics:
         """A frozen snapshot of the serving statistics."""

@@ -69,6 +69,11 @@ class ShadowWeights:
         return self._version
 
     @property
+    def served(self) -> TensorDictBase:
+        """The served parameters and buffers (a TensorDict view of the module)."""
+        return self._served
+
+    @property
     def latest_version(self) -> int:
         """The version of the newest weights given (staged or served)."""
         return self._staged_version

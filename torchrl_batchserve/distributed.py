@@ -1,0 +1,253 @@
+"""Weights over torch.distributed: a trainer broadcasts, servers receive beside serving.
+
+The trainer and the servers form a dedicated process group, built from its
+own ``TCPStore`` (hosted by the trainer) and a standalone gloo group
+(``ProcessGroupGloo``; NCCL is the same shape on CUDA). The default process
+group is never initialised, used or destroyed, so this coexists with a
+DDP/FSDP trainer. Rendezvous: every member is given the trainer's address and
+a free port, the world size (1 trainer + N servers), and its rank (the
+trainer is 0, servers 1..N).
+
+One push, all steps with finite timeouts:
+
+1. the trainer bumps ``push/count`` in the store (receivers wait on it, so an
+   idle trainer never trips a collective timeout);
+2. it broadcasts a header and the metadata (version, names, shapes, dtypes);
+3. every server checks the metadata against its served policy and all ranks
+   ``all_reduce`` a status: one mismatch fails the push on the trainer with
+   :class:`~torchrl_batchserve.errors.WeightSyncError` (the reasons are left
+   in the store), before any tensor moves, and every server keeps its weights;
+4. otherwise the trainer broadcasts one flat buffer per dtype; each server
+   stages it as a shadow copy (``ShadowWeights.stage``) that its serve loop
+   swaps in at the next batch boundary. Serving never waits for a transfer.
+
+A trainer that dies mid-transfer breaks the collective: the receiver logs it,
+drops the partial copy, stops receiving and the server keeps serving the last
+complete version. A server that dies fails the trainer's push with a
+``WeightSyncError`` after the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict, TensorDictBase
+
+from torchrl_batchserve.errors import WeightSyncError
+from torchrl_batchserve.weights import ShadowWeights, as_weights
+
+__all__ = ["WeightBroadcaster", "WeightReceiver"]
+
+_log = logging.getLogger(__name__)
+_PUSH, _STOP = 1, 2  # header kinds
+
+
+def _group(address: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[Any, Any]:
+    td = timedelta(seconds=timeout)
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=td, wait_for_workers=False)
+    group = dist.ProcessGroupGloo(dist.PrefixStore("torchrl_batchserve/weights", store), rank, world_size, td)
+    return store, group
+
+
+def _wait(work: Any) -> None:
+    work.wait()
+
+
+def _layout(weights: TensorDictBase) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(".".join(k) if isinstance(k, tuple) else k, tuple(v.shape), v.dtype) for k, v in _leaves(weights)]
+
+
+def _leaves(weights: TensorDictBase) -> list[tuple[Any, torch.Tensor]]:
+    return sorted(weights.items(include_nested=True, leaves_only=True), key=lambda kv: str(kv[0]))
+
+
+def _flat(weights: TensorDictBase) -> dict[torch.dtype, torch.Tensor]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for _, value in _leaves(weights):
+        groups.setdefault(value.dtype, []).append(value.detach().reshape(-1).cpu())
+    return {dtype: torch.cat(parts) for dtype, parts in groups.items()}
+
+
+class WeightBroadcaster:
+    """The trainer's side (rank 0): pushes weights to every server of the group.
+
+    Args:
+        address: the host the store binds to (the trainer's address).
+        port: a free port for the store.
+        world_size: 1 + the number of servers.
+
+    Keyword Args:
+        timeout: seconds any step of a push may take (and that servers may
+            take to join).
+    """
+
+    def __init__(self, address: str, port: int, world_size: int, *, timeout: float = 60.0) -> None:
+        if world_size < 2:
+            raise ValueError(f"world_size must be >= 2: the trainer and at least one server (got {world_size})")
+        self.address, self.port, self.world_size, self.timeout = address, port, world_size, timeout
+        self._store, self._group = _group(address, port, 0, world_size, timeout)
+        self._lock = threading.Lock()
+        self._pushes = 0
+        self.version = 0
+
+    def push(self, weights: Any, version: int | None = None) -> int:
+        """Send ``weights`` (TensorDict, state_dict or module) to every server; return their version.
+
+        Raises :class:`WeightSyncError` when a server rejects the metadata (no
+        server changes its weights then), or when the transfer fails.
+        """
+        weights = as_weights(weights)
+        with self._lock:
+            version = self.version + 1 if version is None else version
+            meta = pickle.dumps({"version": version, "layout": _layout(weights)})
+            try:
+                self._announce()
+                header = torch.tensor([_PUSH, len(meta)], dtype=torch.long)
+                _wait(self._group.broadcast(header, 0))
+                _wait(self._group.broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8), 0))
+                status = torch.zeros(1, dtype=torch.long)
+                _wait(self._group.allreduce([status], dist.AllreduceOptions()))
+                if int(status) != 0:
+                    reasons = []
+                    for rank in range(1, self.world_size):
+                        key = f"error/{version}/{rank}"
+                        if self._store.check([key]):
+                            reasons.append(f"server rank {rank}: {self._store.get(key).decode()}")
+                    raise WeightSyncError(f"version {version} rejected, no server changed: {'; '.join(reasons)}")
+                for buffer in _flat(weights).values():
+                    _wait(self._group.broadcast(buffer, 0))
+            except WeightSyncError:
+                raise
+            except Exception as err:
+                raise WeightSyncError(f"pushing version {version} failed: {err}") from err
+            self.version = version
+            return version
+
+    def _announce(self) -> None:
+        self._pushes += 1
+        self._store.set(f"push/{self._pushes}", "1")
+
+    def close(self) -> None:
+        """Tell the servers to stop receiving (best effort) and leave the group."""
+        with self._lock:
+            try:
+                self._announce()
+                _wait(self._group.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), 0))
+            except Exception:
+                pass
+
+
+class WeightReceiver:
+    """A server's side: receives pushes in a thread and stages them for its serve loop.
+
+    Made by :meth:`BatchedPolicyServer.receive_weights`; closed with the server.
+    """
+
+    def __init__(
+        self,
+        shadow: ShadowWeights,
+        on_staged: Callable[[int], None],
+        address: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float = 60.0,
+    ) -> None:
+        if not 1 <= rank < world_size:
+            raise ValueError(f"a server's rank must be in 1..{world_size - 1} (got {rank})")
+        self._shadow, self._on_staged = shadow, on_staged
+        self.rank, self.timeout = rank, timeout
+        self._store, self._group = _group(address, port, rank, world_size, timeout)
+        self._closed = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._receive_forever, name="batchserve-weights", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _receive_forever(self) -> None:
+        seen = 0
+        try:
+            while not self._closed.is_set():
+                key = f"push/{seen + 1}"
+                try:  # wait for the next push without holding a collective open
+                    self._store.wait([key], timedelta(seconds=1.0))
+                except Exception:
+                    if not self._store.check([key]):  # raises when the trainer's store is gone
+                        continue
+                seen += 1
+                if not self._receive_one():
+                    return
+        except Exception as err:  # the trainer died or the group broke: keep serving what we have
+            self.error = err
+            if not self._closed.is_set():
+                _log.warning("weight receiver (rank %d) stopped: %r; serving the last complete version", self.rank, err)
+
+    def _receive_one(self) -> bool:
+        header = torch.zeros(2, dtype=torch.long)
+        _wait(self._group.broadcast(header, 0))
+        kind, size = int(header[0]), int(header[1])
+        if kind == _STOP:
+            return False
+        meta_bytes = torch.zeros(size, dtype=torch.uint8)
+        _wait(self._group.broadcast(meta_bytes, 0))
+        meta = pickle.loads(meta_bytes.numpy().tobytes())
+        version, layout = meta["version"], meta["layout"]
+        problem = self._check(version, layout)
+        if problem is not None:
+            self._store.set(f"error/{version}/{self.rank}", problem)
+        status = torch.tensor([0 if problem is None else 1], dtype=torch.long)
+        _wait(self._group.allreduce([status], dist.AllreduceOptions()))
+        if int(status) != 0:
+            return True  # rejected by someone: nothing moves, keep serving
+        buffers: dict[torch.dtype, torch.Tensor] = {}
+        for _, shape, dtype in layout:
+            n = 1
+            for d in shape:
+                n *= d
+            buffers[dtype] = torch.empty(buffers[dtype].numel() + n if dtype in buffers else n, dtype=dtype)
+        for buffer in buffers.values():
+            _wait(self._group.broadcast(buffer, 0))
+        self._shadow.stage(self._unflatten(layout, buffers), version)
+        self._on_staged(version)
+        return True
+
+    def _check(self, version: int, layout: list) -> str | None:
+        served = _layout(self._shadow.served)
+        if served != layout:
+            mine, theirs = {n: (s, d) for n, s, d in served}, {n: (s, d) for n, s, d in layout}
+            diff = [
+                f"{n}: served {mine.get(n)}, pushed {theirs.get(n)}"
+                for n in sorted(set(mine) | set(theirs))
+                if mine.get(n) != theirs.get(n)
+            ]
+            return "metadata mismatch: " + "; ".join(diff[:5])
+        if version <= self._shadow.latest_version:
+            return f"version must increase: staged {self._shadow.latest_version}, pushed {version}"
+        return None
+
+    def _unflatten(self, layout: list, buffers: dict[torch.dtype, torch.Tensor]) -> TensorDictBase:
+        offsets = dict.fromkeys(buffers, 0)
+        out = TensorDict()
+        for name, shape, dtype in layout:
+            n = 1
+            for d in shape:
+                n *= d
+            start = offsets[dtype]
+            out.set(tuple(name.split(".")), buffers[dtype][start : start + n].view(shape))
+            offsets[dtype] = start + n
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closed.set()
+        self._thread.join(timeout)

@@ -1,0 +1,212 @@
+"""TorchRL's weight-update API, both generations, pointed at the served weights.
+
+A collector whose policy is a :class:`~torchrl_batchserve.RemotePolicy` holds
+no weights: they live in the server. ``collector.update_policy_weights_(trainer_policy)``
+must therefore reach the server, in-process (``server.update_weights``) or
+over the dedicated process group (:mod:`torchrl_batchserve.distributed`).
+
+* :class:`BatchServeWeightSyncScheme`: a ``torchrl.weight_update.WeightSyncScheme``
+  (TorchRL 0.14's API) for ``weight_sync_schemes={"policy": scheme}``. Its
+  sender side pushes to the server(s); its receiver side, in collector
+  workers, has nothing to do.
+* :func:`weight_updater`: the legacy ``weight_updater=`` adapter. TorchRL
+  deprecates ``WeightUpdaterBase`` and warns whenever it is subclassed, so
+  the subclass is made on first use, never at import.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from tensordict import TensorDictBase
+from torchrl.weight_update import WeightSyncScheme
+
+from torchrl_batchserve.distributed import WeightBroadcaster
+from torchrl_batchserve.weights import as_weights
+
+__all__ = ["BatchServeWeightSyncScheme", "weight_updater"]
+
+
+class _ServerTransport:
+    """The scheme's transport: ``send_weights`` lands in a server (directly or through the group)."""
+
+    def __init__(self, push: Any) -> None:
+        self._push = push
+
+    def send_weights(self, weights: Any) -> int:
+        return self._push(weights)
+
+    def receive_weights(self, *args: Any, **kwargs: Any) -> None:
+        return None  # collector workers hold no weights: the server does
+
+
+class BatchServeWeightSyncScheme(WeightSyncScheme):
+    """Sends a trainer's weights to a :class:`~torchrl_batchserve.BatchedPolicyServer`.
+
+    Give either ``server`` (a server in this process; what
+    :meth:`BatchedPolicyServer.weight_sync_scheme` returns) or the rendezvous
+    of a weight group whose servers called
+    :meth:`BatchedPolicyServer.receive_weights` with the same ``address``,
+    ``port`` and ``world_size`` (this side is rank 0; it joins the group when
+    the collector connects the scheme).
+
+    Keyword Args:
+        server: a server in this process.
+        address, port, world_size: the weight group's rendezvous.
+        timeout: seconds each step of a distributed push may take.
+
+    ``send(weights)`` takes a policy module, a TensorDict
+    (``TensorDict.from_module(policy)``) or a state_dict, and returns the new
+    version. ``send()`` with no weights (e.g. ``update_policy_weights_()`` with
+    no argument) sends nothing: the collector's own policy holds no weights.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl_batchserve import BatchedPolicyServer
+        >>> policy = TensorDictModule(torch.nn.Linear(2, 2), in_keys=["obs"], out_keys=["act"])
+        >>> trainer = TensorDictModule(torch.nn.Linear(2, 2), in_keys=["obs"], out_keys=["act"])
+        >>> with BatchedPolicyServer(policy) as server:
+        ...     scheme = server.weight_sync_scheme()
+        ...     scheme.init_on_sender(model_id="policy", context=None)
+        ...     scheme.connect()
+        ...     version = scheme.send(trainer)
+        ...     out = server.remote_policy()(TensorDict(obs=torch.ones(2)))
+        >>> version, int(out["policy_version"]), torch.allclose(out["act"], trainer.module(torch.ones(2)))
+        (1, 1, True)
+    """
+
+    def __init__(
+        self,
+        server: Any = None,
+        *,
+        address: str | None = None,
+        port: int | None = None,
+        world_size: int | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        super().__init__(strategy="tensordict")
+        distributed = (address, port, world_size)
+        if (server is None) == (None in distributed):
+            raise ValueError(
+                "give either server= (a server in this process) or address=, port= and world_size= "
+                f"(a weight group); got server={server!r}, address={address!r}, port={port!r}, "
+                f"world_size={world_size!r}"
+            )
+        self._server = server
+        self._rendezvous: tuple[str, int, int, float] | None = None
+        if server is None:
+            self._rendezvous = (str(address), int(port), int(world_size), timeout)  # type: ignore[arg-type]
+        self._broadcaster: WeightBroadcaster | None = None
+
+    # -- sender side (the trainer / the collector's main process) -------------------
+
+    def _init_on_sender_impl(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        self._model_id = model_id
+        if context is not None:
+            self.context = context
+
+    def _setup_connection_and_weights_on_sender_impl(
+        self, *, worker_idx: int | None = None, weights: Any = None
+    ) -> None:
+        if self._rendezvous is not None and self._broadcaster is None:
+            address, port, world_size, timeout = self._rendezvous
+            self._broadcaster = WeightBroadcaster(address, port, world_size, timeout=timeout)
+        if weights is not None:
+            self.send(weights)
+
+    def send(self, weights: Any = None, worker_ids: Any = None) -> int | None:  # type: ignore[override]
+        """Serve ``weights`` from the next batch on; return their version (``None``: nothing sent)."""
+        if weights is None:
+            return None
+        weights = as_weights(weights)
+        if isinstance(weights, TensorDictBase) and weights.is_empty():
+            return None  # e.g. a RemotePolicy: it holds no weights to send
+        return self.create_transport().send_weights(weights)
+
+    def create_transport(self, **kwargs: Any) -> _ServerTransport:
+        """The transport that ``send`` uses (the server's staging, or the weight group)."""
+        if self._server is not None:
+            return _ServerTransport(self._server.update_weights)
+        if self._broadcaster is None:
+            raise RuntimeError("connect() the scheme (the collector does) before sending weights")
+        return _ServerTransport(self._broadcaster.push)
+
+    # -- receiver side (collector workers: they run a RemotePolicy, no weights) -----
+
+    def _init_on_receiver_impl(self, model_id: str, context: Any = None, **kwargs: Any) -> None:
+        self._model_id = model_id
+
+    def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
+        return None
+
+    def receive(self, timeout: float | None = None) -> None:  # type: ignore[override]
+        return None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_server"] = None  # workers get the receiver side only
+        state["_broadcaster"] = None
+        return state
+
+    def shutdown(self) -> None:
+        broadcaster, self._broadcaster = getattr(self, "_broadcaster", None), None
+        if broadcaster is not None:
+            broadcaster.close()
+        super().shutdown()
+
+    def __repr__(self) -> str:
+        where = self._rendezvous
+        target = "server in this process" if where is None else f"weight group {where[0]}:{where[1]} of {where[2]}"
+        return f"{type(self).__name__}({target})"
+
+
+_UPDATER: type | None = None
+
+
+def weight_updater(target: Any) -> Any:
+    """A legacy ``WeightUpdaterBase`` for ``Collector(..., weight_updater=...)``.
+
+    ``target`` is a :class:`BatchedPolicyServer` in this process or a
+    :class:`BatchServeWeightSyncScheme`. The class is created on first call
+    (``WeightUpdaterBase`` warns when subclassed; TorchRL deprecates it in
+    favour of :class:`BatchServeWeightSyncScheme`, which new code should use).
+    """
+    global _UPDATER
+    if _UPDATER is None:
+        from torchrl.collectors import WeightUpdaterBase
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+
+            class BatchServeWeightUpdater(WeightUpdaterBase):  # type: ignore[misc, valid-type]
+                """Pushes a collector's ``update_policy_weights_`` to a server."""
+
+                def __init__(self, target: Any) -> None:
+                    self._target = target
+
+                def _sync_weights_with_worker(self, *, worker_id: Any = None, server_weights: Any) -> None:
+                    if server_weights is None:
+                        return
+                    if hasattr(self._target, "update_weights"):
+                        weights = as_weights(server_weights)
+                        if not weights.is_empty():
+                            self._target.update_weights(weights)
+                    else:
+                        self._target.send(server_weights)
+
+                def _get_server_weights(self) -> Any:
+                    return None
+
+                def _maybe_map_weights(self, server_weights: Any) -> Any:
+                    return server_weights
+
+                def all_worker_ids(self) -> None:
+                    return None
+
+        _UPDATER = BatchServeWeightUpdater
+    return _UPDATER(target)
