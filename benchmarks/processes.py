@@ -19,7 +19,6 @@ calls over the span from the first start to the last end.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import platform
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from run import _pct, make_payload
+from run import _pct, common_parser, make_payload
 from torchrl.modules.inference_server import InferenceServer, ProcessSlotTransport
 
 from torchrl_batchserve import BatchedPolicyServer
@@ -96,14 +95,9 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test, not a measurement")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--timeout", type=float, default=0.002)
+    parser = common_parser(__doc__)
     parser.add_argument("--only", default=None, help="comma list of payloads (vector,pixels)")
     parser.add_argument("--procs", default="2,4,8")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(1)

@@ -421,13 +421,19 @@ def make_plot(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options every benchmark script shares."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test, not a measurement")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None, help="default: 1 with --quick, else 3")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=0.002)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the report goes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = common_parser(__doc__)
     parser.add_argument("--only", default=None, help="comma list of payloads to run (vector,pixels)")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)

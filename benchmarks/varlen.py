@@ -20,14 +20,13 @@ it computes, real or padding. Systems, in one process run, same inputs:
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
-from run import _pct, drive_threads
+from run import _pct, common_parser, drive_threads
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 from torch import nn
@@ -162,13 +161,8 @@ def check_outputs() -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test, not a measurement")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser = common_parser(__doc__)
     parser.add_argument("--actors", type=int, default=64)
-    parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--timeout", type=float, default=0.002)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(1)

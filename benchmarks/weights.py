@@ -19,7 +19,6 @@ Two policy sizes: the vector MLP of ``benchmarks/run.py`` and a wide one
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from run import common_parser
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.modules.inference_server import InferenceServer, ThreadingTransport
@@ -58,7 +58,7 @@ def measure(system: str, width: int, pushing: bool, args: Any) -> dict:
     pushed: dict[int, float] = {}
     counts = [0] * args.actors
     lock = threading.Lock()
-    kw = {"max_batch_size": 64, "timeout": 0.002}
+    kw = {"max_batch_size": args.max_batch_size, "timeout": args.timeout}
     server: Any = (
         BatchedPolicyServer(policy, **kw) if system == "ours" else InferenceServer(policy, ThreadingTransport(), **kw)
     )
@@ -111,12 +111,9 @@ def measure(system: str, width: int, pushing: bool, args: Any) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser = common_parser(__doc__)
     parser.add_argument("--actors", type=int, default=64)
     parser.add_argument("--period", type=float, default=0.02, help="seconds between pushes")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.seconds, args.warmup = (0.5, 0.2) if args.quick else (3.0, 0.5)
