@@ -2,7 +2,9 @@
 
 The trainer and the servers form a dedicated process group, built from its
 own ``TCPStore`` (hosted by the trainer) and a standalone gloo group
-(``ProcessGroupGloo``; NCCL is the same shape on CUDA). The default process
+(``ProcessGroupGloo``; weights travel as CPU buffers and each server copies
+them to its policy's device when it applies them; an NCCL group for
+device-to-device transfer is not implemented). The default process
 group is never initialised, used or destroyed, so this coexists with a
 DDP/FSDP trainer. Rendezvous: every member is given the trainer's address and
 a free port, the world size (1 trainer + N servers), and its rank (the
