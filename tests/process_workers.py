@@ -123,3 +123,24 @@ def weight_server(rank: int, world: int, port: int, final: int, reached: Any, st
                 mismatches += not torch.allclose(net(x), y, atol=1e-6)
     seen = sorted({v for record in records for v, _, _ in record})
     results.put((rank, seen, monotonic, mismatches, sum(map(len, records)), dist.is_initialized()))
+
+
+def trainer_then_hang(port: int, world: int, pushed: Any) -> None:
+    """A trainer process: pushes version 1, then waits to be killed."""
+    from torchrl_batchserve import WeightBroadcaster
+
+    trainer = WeightBroadcaster("127.0.0.1", port, world, timeout=30)
+    trainer.push(TensorDictModule(make_net(1), in_keys=["observation"], out_keys=["logits"]))
+    pushed.set()
+    while True:
+        time.sleep(3600)
+
+
+def join_weight_group_then_hang(port: int, world: int, joined: Any) -> None:
+    """A server process that joins the weight group, then waits to be killed."""
+    policy = TensorDictModule(make_net(0), in_keys=["observation"], out_keys=["logits"])
+    server = BatchedPolicyServer(policy).start()
+    server.receive_weights("127.0.0.1", port, 1, world, timeout=30)
+    joined.set()
+    while True:
+        time.sleep(3600)

@@ -355,3 +355,52 @@ def test_scheme_arguments_and_clean_import():
         BatchServeWeightSyncScheme(object(), address="127.0.0.1", port=1, world_size=2)
     code = "import warnings; warnings.simplefilter('error'); import torchrl_batchserve"
     subprocess.run([sys.executable, "-c", code], check=True)  # no DeprecationWarning from WeightUpdaterBase
+
+
+def test_a_dead_trainer_leaves_the_server_serving_its_last_version():
+    port = free_port()
+    pushed = SPAWN.Event()
+    trainer = SPAWN.Process(target=pw.trainer_then_hang, args=(port, 2, pushed))
+    trainer.start()
+    policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        receiver = server.receive_weights("127.0.0.1", port, 1, 2, timeout=30)
+        assert pushed.wait(60)
+        remote = server.remote_policy()
+        wait_for(lambda: int(remote(TensorDict(observation=torch.ones(8)))["policy_version"]) == 1, "version 1")
+        pw.kill(trainer.pid)
+        trainer.join(10)
+        wait_for(lambda: not receiver.alive, "the receiver to notice the trainer is gone")
+        out = remote(TensorDict(observation=torch.ones(8)))  # still serving, the last complete version
+    assert int(out["policy_version"]) == 1 and receiver.error is not None
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], pw.make_net(1)(torch.ones(8)))
+
+
+def test_a_push_to_a_dead_server_fails_instead_of_hanging():
+    from torchrl_batchserve import WeightBroadcaster, WeightSyncError
+
+    port, joined = free_port(), SPAWN.Event()
+    host = SPAWN.Process(target=pw.join_weight_group_then_hang, args=(port, 2, joined))
+    host.start()
+    trainer = WeightBroadcaster("127.0.0.1", port, 2, timeout=10)
+    assert joined.wait(60)
+    pw.kill(host.pid)
+    host.join(10)
+    t = time.monotonic()
+    with pytest.raises(WeightSyncError, match="pushing version 1 failed"):
+        trainer.push(TensorDictModule(pw.make_net(1), in_keys=["observation"], out_keys=["logits"]))
+    assert time.monotonic() - t < 30 and trainer.version == 0
+
+
+def test_a_client_with_the_wrong_key_is_refused_and_the_hub_keeps_accepting():
+    from multiprocessing.connection import Client
+
+    policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        address, _, _ = server._start_hub()
+        with pytest.raises(Exception):  # noqa: B017 - multiprocessing raises AuthenticationError or EOFError
+            Client(address, family="AF_UNIX", authkey=b"wrong key").recv_bytes()
+        copy = pickle.loads(pickle.dumps(remote))
+        assert copy(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)

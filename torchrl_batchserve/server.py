@@ -564,20 +564,25 @@ class BatchedPolicyServer(TensorDictModule):
         return output
 
 
+# A RemotePolicy inherited by fork (not pickled) must find its server's hub in
+# the child: before any fork, every running server starts its hub. One hook
+# for the process, over the servers alive now.
+_SERVERS: weakref.WeakSet[BatchedPolicyServer] = weakref.WeakSet()
+
+
 def _serve_forks(server: BatchedPolicyServer) -> None:
-    # A RemotePolicy inherited by fork (not pickled) must find the server's
-    # hub in the child: a running server starts it before any fork.
-    ref = weakref.ref(server)
+    _SERVERS.add(server)
 
-    def before() -> None:
-        s = ref()
-        if s is not None:
-            try:
-                s._before_fork()
-            except Exception:
-                _log.exception("could not start the process hub before fork")
 
-    os.register_at_fork(before=before)
+def _before_fork() -> None:
+    for server in list(_SERVERS):
+        try:
+            server._before_fork()
+        except Exception:
+            _log.exception("could not start the process hub of a %s before fork", type(server).__name__)
+
+
+os.register_at_fork(before=_before_fork)
 
 
 def _sync_to_host(device: torch.device) -> None:

@@ -192,10 +192,10 @@ class ProcessHub:
         while True:
             try:
                 conn = self._listener.accept()
-            except (OSError, EOFError):
+            except Exception:  # closed, or a client that failed the handshake (wrong authkey, hung up)
                 if self._closed:
                     return
-                continue  # a client that failed the handshake
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()
