@@ -101,7 +101,7 @@ def test_pickled_copies_are_separate_clients():
     policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy) as server:
         remote = server.remote_policy()
-        a, b = pickle.loads(pickle.dumps(remote)), pickle.loads(pickle.dumps(remote))
+        a, b = pickle.loads(pickle.dumps(remote)), pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(remote))))
         assert isinstance(a._endpoint, ProcessClient) and a._endpoint is not b._endpoint
         ta, tb = a(TensorDict(observation=torch.zeros(8))), b(TensorDict(observation=torch.ones(8)))
         assert server._hub.clients == 2

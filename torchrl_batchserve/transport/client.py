@@ -56,6 +56,10 @@ class ProcessClient:
         self._last_head: Any = None
         self._last_bytes = b""
 
+    def process_address(self) -> tuple[str, bytes, list]:
+        """Where another copy connects (a copy of a copy is a client of the same server)."""
+        return self.address, self.authkey, self.in_keys
+
     def _connection(self) -> Connection:
         if self._pid != os.getpid():  # forked with a connection: start afresh
             self._pid, self._conn, self._inputs, self._outputs = os.getpid(), None, None, None
