@@ -609,6 +609,8 @@ def run(cfg: DictConfig) -> dict:
     try:
         if server is not None:
             server.start()
+        if cfg.eval.every:  # the untrained network's search: the baseline of the curve
+            history.append(evaluate_now(version) | {"loss": float("nan")})
         for r in range(cfg.rounds):
             jobs = [("self_play", cfg.seed * 1_000_000 + games_played + i) for i in range(cfg.games_per_round)]
             t = time.perf_counter()

@@ -89,7 +89,7 @@ def test_selfplay_smoke(tmp_path, overrides):
     )
     result = mcts.run(cfg)
     assert result["games"] == 8 and result["evaluations"] > 0
-    assert [h["games"] for h in result["history"]] == [4, 8]
+    assert [h["games"] for h in result["history"]] == [0, 4, 8]  # before training, then each checkpoint
     assert all(0.0 <= h["vs_random"] <= 1.0 and 0.0 <= h["vs_mcts"] <= 1.0 for h in result["history"])
     saved = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert saved["games"] == 8 and next(tmp_path.glob("*.png")).stat().st_size > 0
