@@ -58,12 +58,16 @@ def test_padded_server_config_serves_variable_lengths():
     assert isinstance(server.cost_fn, LengthCost)
 
 
+def _load(folder: str, name: str):
+    """Import a script of ``examples/`` or ``benchmarks/`` (its folder stays on the path: spawned workers import it)."""
+    path = str(ROOT / folder)
+    if path not in sys.path:
+        sys.path.append(path)
+    return __import__(name)
+
+
 def test_actors_demo_smoke():
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import actors_demo
-    finally:
-        sys.path.pop(0)
+    actors_demo = _load("examples", "actors_demo")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="actors_demo", overrides=["threads=4", "tasks=8", "requests_per_actor=10"])
     result = actors_demo.run(cfg)
@@ -72,24 +76,14 @@ def test_actors_demo_smoke():
 
 
 def test_benchmark_quick_smoke(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import run as bench
-    finally:
-        sys.path.pop(0)
-    out = bench.main(["--quick", "--only", "vector", "--out", str(tmp_path)])
+    out = _load("benchmarks", "run").main(["--quick", "--only", "vector", "--out", str(tmp_path)])
     assert (tmp_path / "benchmarks_quick.md").exists()
     row = next(r for r in out["rows"] if r["actors"] == 8 and r["mode"] == "threads")
     assert row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0 and row["x_torchrl"] > 0
 
 
 def test_varlen_benchmark_quick_smoke(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import varlen
-    finally:
-        sys.path.pop(0)
-    out = varlen.main(["--quick", "--actors", "8", "--out", str(tmp_path)])
+    out = _load("benchmarks", "varlen").main(["--quick", "--actors", "8", "--out", str(tmp_path)])
     assert (tmp_path / "benchmarks_varlen_quick.md").exists()
     rows = {r["system"]: r for r in out["rows"]}
     assert set(rows) == {"ours-pad", "ours-buckets", "ours-pack", "torchrl-pad"}
@@ -97,21 +91,15 @@ def test_varlen_benchmark_quick_smoke(tmp_path):
     assert rows["ours-pad"]["overhead"] > 1.0 and all(r["rps"] > 0 for r in rows.values())
 
 
-def _bench(name):
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.append(str(ROOT / "benchmarks"))  # kept: spawned benchmark workers import it too
-    return __import__(name)
-
-
 def test_process_benchmark_quick_smoke(tmp_path):
-    out = _bench("processes").main(["--quick", "--only", "vector", "--procs", "2", "--out", str(tmp_path)])
+    out = _load("benchmarks", "processes").main(["--quick", "--only", "vector", "--procs", "2", "--out", str(tmp_path)])
     (row,) = out["rows"]
     assert row["procs"] == 2 and row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0
     assert (tmp_path / "benchmarks_processes_quick.md").exists()
 
 
 def test_weights_benchmark_quick_smoke(tmp_path):
-    out = _bench("weights").main(["--quick", "--out", str(tmp_path)])
+    out = _load("benchmarks", "weights").main(["--quick", "--out", str(tmp_path)])
     for row in out["rows"]:
         assert row["ours"]["pushes"] > 0 and row["torchrl"]["pushes"] > 0
         assert row["ours"]["lag_ms"] > 0 and row["torchrl"]["pushing"] > 0

@@ -44,6 +44,18 @@ def wait_for(condition, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def run_workers(ctx, target, args_per_worker: list[tuple]) -> list:
+    """Start one ``ctx`` process per argument tuple (``results`` queue appended); collect one report each."""
+    results = ctx.Queue()
+    workers = [ctx.Process(target=target, args=(*args, results)) for args in args_per_worker]
+    for w in workers:
+        w.start()
+    outs = [results.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(30)
+    return outs
+
+
 def check_results(net, results) -> int:
     rows = 0
     for obs, logits, versions, shape in results:
@@ -60,13 +72,7 @@ def test_n_workers_m_requests_each_get_their_own_results():
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy, max_batch_size=16, timeout=0.01) as server:
         remote = server.remote_policy()  # one object handed to every worker
-        results = SPAWN.Queue()
-        workers = [SPAWN.Process(target=pw.random_requests, args=(remote, seed, 40, results)) for seed in range(3)]
-        for w in workers:
-            w.start()
-        outs = [results.get(timeout=120) for _ in workers]
-        for w in workers:
-            w.join(30)
+        outs = run_workers(SPAWN, pw.random_requests, [(remote, seed, 40) for seed in range(3)])
         stats = server.statistics()
         address = server._hub.address
         wait_for(lambda: server._hub.clients == 0, "the hub to drop the workers that exited")
@@ -86,13 +92,7 @@ def test_remote_policy_survives_every_start_method(method):
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy, timeout=0.01) as server:
         remote = server.remote_policy()
-        results = ctx.Queue()
-        workers = [ctx.Process(target=pw.random_requests, args=(remote, seed, 10, results)) for seed in range(2)]
-        for w in workers:
-            w.start()
-        outs = [results.get(timeout=120) for _ in workers]
-        for w in workers:
-            w.join(30)
+        outs = run_workers(ctx, pw.random_requests, [(remote, seed, 10) for seed in range(2)])
     for _, _, out in outs:
         check_results(net, out)
 
@@ -126,13 +126,7 @@ def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
         victim.join(30)
         gated.gate.set()  # the dead worker's batch completes; its reply goes nowhere
         wait_for(lambda: server._hub.clients == 0, "the hub to drop the dead worker")
-        others = SPAWN.Queue()
-        workers = [SPAWN.Process(target=pw.random_requests, args=(remote, seed, 15, others)) for seed in (5, 6)]
-        for w in workers:
-            w.start()
-        outs = [others.get(timeout=120) for _ in workers]
-        for w in workers:
-            w.join(30)
+        outs = run_workers(SPAWN, pw.random_requests, [(remote, seed, 15) for seed in (5, 6)])
         assert results.empty()  # the victim never reported anything
     for _, _, out in outs:
         check_results(gated.net, out)

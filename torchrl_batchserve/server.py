@@ -513,22 +513,23 @@ class BatchedPolicyServer(TensorDictModule):
         source = group[0].device
         run_on = self._policy_device or source
         target = self._output_device or source
-        version = self._weights.version
-        if self._direct is None or not usable(self.module):
-            output = self._run_module(group, rows, run_on)
-            if self.policy_version_key is not None:
-                output.set(self.policy_version_key, torch.full((rows,), version, dtype=torch.long, device=run_on))
-            if target is not None and target != run_on:
-                output = output.to(target, non_blocking=True)
-                _sync_to_host(target)
-            return self._collate.split(output, group, self._delivered)
-        values = self._run_direct(group, rows, run_on)
+        stamp = None
         if self.policy_version_key is not None:
-            values.append(torch.full((rows,), version, dtype=torch.long, device=run_on))
-        if target is not None and target != run_on:
-            values = [v.to(target, non_blocking=True) if isinstance(v, torch.Tensor) else v for v in values]
-            _sync_to_host(target)
-        return split_values(values, group, self._delivered)
+            stamp = torch.full((rows,), self._weights.version, dtype=torch.long, device=run_on)
+        move_to = target if target is not None and target != run_on else None
+        if self._direct is not None and usable(self.module):
+            values = self._run_direct(group, rows, run_on)
+            if stamp is not None:
+                values.append(stamp)
+            if move_to is not None:
+                values = _to_device(values, move_to)
+            return split_values(values, group, self._delivered)
+        output = self._run_module(group, rows, run_on)
+        if stamp is not None:
+            output.set(self.policy_version_key, stamp)
+        if move_to is not None:
+            output = _to_device(output, move_to)
+        return self._collate.split(output, group, self._delivered)
 
     def _run_direct(self, group: list[Request], rows: int, run_on: torch.device | None) -> list[Any]:
         tensors = self._collate.stack(group, rows)
@@ -585,6 +586,12 @@ def _before_fork() -> None:
 os.register_at_fork(before=_before_fork)
 
 
-def _sync_to_host(device: torch.device) -> None:
+def _to_device(values: Any, device: torch.device) -> Any:
+    """``values`` (a TensorDict, or a list of values) on ``device``, safe to read once this returns."""
+    if isinstance(values, TensorDictBase):
+        moved = values.to(device, non_blocking=True)
+    else:
+        moved = [v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for v in values]
     if device.type == "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()  # non-blocking device-to-host copies must land before callers read
+    return moved
