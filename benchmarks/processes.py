@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from run import _pct, common_parser, make_payload
+from run import _pct, common_parser, make_payload, one_intraop_thread
 from torchrl.modules.inference_server import InferenceServer, ProcessSlotTransport
 
 from torchrl_batchserve import BatchedPolicyServer
@@ -164,4 +164,5 @@ def write_report(rows: list[dict], args: Any) -> None:
 
 
 if __name__ == "__main__":
+    one_intraop_thread()
     main()

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -337,7 +338,8 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, path
         f"{time.strftime('%Y-%m-%d')}.",
         "",
         f"Both servers: `max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`. "
-        f"Medians of {args.repeats} repeat(s); ratios are taken within a repeat. `torch.set_num_threads(1)`.",
+        f"Medians of {args.repeats} repeat(s); ratios are taken within a repeat. "
+        "One intra-op thread in every thread (`torch.set_num_threads(1)`, `OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`).",
         "Payloads: `vector` = 64 floats into an MLP 64-256-256-8; `pixels` = 4x84x84 uint8 into a small conv net.",
         "`floor` = the policy's own batched forward at min(actors, max_batch_size) rows, no server; "
         "`naive` = every actor calls the shared policy itself.",
@@ -421,6 +423,22 @@ def make_plot(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
+def one_intraop_thread() -> None:
+    """Restart this script, if needed, so that every thread has one intra-op thread.
+
+    The benchmarks call ``torch.set_num_threads(1)``, but torch applies it to a
+    thread only once that thread asks torch for its thread count. A thread that
+    never does (TorchRL's server thread, the naive baseline's actors) runs
+    MKL's matrix products on an OpenMP team of one thread per core, which here
+    means two cores for one system and one for the other. OpenMP reads
+    ``OMP_NUM_THREADS`` when torch loads, hence the restart.
+    """
+    wanted = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if all(os.environ.get(k) == v for k, v in wanted.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
+
+
 def common_parser(doc: str | None) -> argparse.ArgumentParser:
     """The options every benchmark script shares."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -469,4 +487,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    one_intraop_thread()
     main()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from run import _pct, common_parser, drive_threads
+from run import _pct, common_parser, drive_threads, one_intraop_thread
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 from torch import nn
@@ -222,4 +222,5 @@ def write_report(rows: list[dict], args: Any) -> None:
 
 
 if __name__ == "__main__":
+    one_intraop_thread()
     main()

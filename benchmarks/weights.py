@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from run import common_parser
+from run import common_parser, one_intraop_thread
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.modules.inference_server import InferenceServer, ThreadingTransport
@@ -181,4 +181,5 @@ def write_report(rows: list[dict], args: Any) -> None:
 
 
 if __name__ == "__main__":
+    one_intraop_thread()
     main()

@@ -86,6 +86,29 @@ def test_put_hands_a_blocking_caller_the_batch_only_when_nothing_runs():
     assert q.take_batch()[1] is FireReason.FULL
 
 
+def test_solo_only_hands_over_a_batch_only_to_a_caller_that_runs_by_itself():
+    q = RequestQueue(max_batch_size=64, timeout=1e9)
+    # a first request: nobody is known yet, so the worker runs it
+    assert q.put(R(caller="a"), may_serve=True, solo_only=True) is None
+    batch, reason = q.take_batch()
+    q.done_serving([r.caller for r in batch])
+    # a was alone in that batch and is alone again: it runs its own batch
+    fired = q.put(R(caller="a"), may_serve=True, solo_only=True)
+    assert fired is not None and fired[1] is FireReason.ALL_WAITING and len(fired[0]) == 1
+    q.done_serving(["a", "b"])  # now b is a caller too
+    q.put(R(caller="b"))
+    # the batch would hold b's request as well: a leaves it to the worker
+    assert q.put(R(caller="a"), may_serve=True, solo_only=True) is None
+    batch, reason = q.take_batch()
+    assert reason is FireReason.ALL_WAITING and [r.caller for r in batch] == ["b", "a"]
+    q.done_serving(["b", "a"])
+    q.waiting("b")  # b waits on something else (e.g. a coalesced row)
+    # a's request alone makes the batch, but a was not alone in the last one
+    assert q.put(R(caller="a"), may_serve=True, solo_only=True) is None
+    batch, reason = q.take_batch()
+    assert reason is FireReason.ALL_WAITING and [r.caller for r in batch] == ["a"]
+
+
 def test_closing_serves_queued_then_returns_none():
     q = RequestQueue(max_batch_size=64, timeout=1e9)
     q.done_serving(["idle"])

@@ -520,3 +520,46 @@ def test_requests_complete_when_nothing_is_delivered():
             outs = list(pool.map(remote, [obs() for _ in range(20)]))
         assert asyncio.run(remote.acall(obs())) is not None
     assert len(outs) == 20 and policy.seen == 21
+
+
+def _omp_max_threads():
+    """The calling thread's OpenMP thread count, read without going through torch."""
+    import ctypes
+    import pathlib
+
+    lib = next(pathlib.Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*"), None)
+    if lib is None:
+        pytest.skip("this torch build bundles no libgomp")
+    return ctypes.CDLL(str(lib)).omp_get_max_threads
+
+
+def test_every_serving_thread_runs_the_policy_with_torchs_intra_op_thread_count():
+    # torch.set_num_threads reaches a thread only once that thread asks torch
+    # for its count; a serving thread that never did would run MKL on an
+    # OpenMP team of one thread per core.
+    probe = _omp_max_threads()
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append((threading.current_thread().name, probe()))
+            return x + 1
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        policy = TensorDictModule(Probe(), in_keys=["x"], out_keys=["y"])
+        with BatchedPolicyServer(policy, max_batch_size=4, timeout=0.001) as server:
+            remote = server.remote_policy()
+
+            def actor():
+                for _ in range(3):  # the worker runs the first batch, this thread the next ones
+                    remote(TensorDict(x=torch.zeros(2)))
+
+            thread = threading.Thread(target=actor, name="fresh-actor")
+            thread.start()
+            thread.join()
+    finally:
+        torch.set_num_threads(before)
+    assert {name for name, _ in seen} == {"fresh-actor", f"{BatchedPolicyServer.__name__}-worker"}
+    assert [n for _, n in seen] == [1, 1, 1]

@@ -23,12 +23,16 @@ request is split across forwards only when it alone exceeds ``max_batch_size``
 refused before it is queued).
 
 Who runs a batch: one batch runs at a time (the *serving* token, held under
-the queue's lock). When a blocking caller's own request makes the rule fire
-and no batch is running, :meth:`RequestQueue.put` hands that caller the batch
-to run in its own thread: no thread is woken and nothing sleeps on the
-critical path (a wake-up costs tens of microseconds). Otherwise the worker
-runs it; the worker is woken only when a rule may have become true, not per
-request.
+the queue's lock). When a caller's own request makes the rule fire and no
+batch is running, :meth:`RequestQueue.put` may hand that caller the batch to
+run in its own thread, so no thread is woken on the critical path (a wake-up
+costs tens of microseconds). The event loop thread of asyncio callers takes
+any such batch. A blocking thread takes it only when it runs by itself
+(``solo_only``: its request alone makes the batch, and it was alone in the
+last batch too); with other callers around, the worker runs the batch, and
+its forward overlaps their Python work instead of holding them all until the
+batch is done. Otherwise the worker runs it; the worker is woken only when a
+rule may have become true, not per request.
 """
 
 from __future__ import annotations
@@ -98,18 +102,23 @@ class RequestQueue:
         self._queued_by_caller: dict[Any, int] = {}
         self._closed = False
         self._serving = False
+        self._solo: Any = None  # the only caller of the last batch, if it had one
         self._broken: BaseException | None = None
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def put(self, request: Request, may_serve: bool = False) -> tuple[list[Request], FireReason] | None:
+    def put(
+        self, request: Request, may_serve: bool = False, solo_only: bool = False
+    ) -> tuple[list[Request], FireReason] | None:
         """Enqueue ``request``, or raise at once if it can never be served.
 
-        With ``may_serve`` (a caller that blocks anyway), returns a batch for
+        With ``may_serve`` (a caller that waits anyway), returns a batch for
         the caller to run itself when the rule fires now and no batch is
-        running; it must then call :meth:`done_serving`.
+        running; it must then call :meth:`done_serving`. With ``solo_only``
+        too, only when ``request`` alone makes the batch and its caller was
+        the only caller of the last batch.
         """
         with self._cond:
             if self._closed:
@@ -136,7 +145,7 @@ class RequestQueue:
                 if was_empty:
                     self._cond.notify()  # start the worker's timeout clock
                 return None
-            if may_serve:
+            if may_serve and (not solo_only or (len(self._items) == 1 and caller == self._solo)):
                 self._serving = True
                 return self._pop(), reason
             self._cond.notify()
@@ -182,8 +191,10 @@ class RequestQueue:
         """Release the serving token; ``callers`` were just served (call before waking them)."""
         with self._cond:
             self._serving = False
+            served = set(callers)
+            self._solo = next(iter(served)) if len(served) == 1 else None
             queued = self._queued_by_caller
-            self._idle.update(c for c in callers if c not in queued)
+            self._idle.update(c for c in served if c not in queued)
             if self._items or self._closed:
                 self._cond.notify()
 

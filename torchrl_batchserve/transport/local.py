@@ -103,14 +103,17 @@ class LocalEndpoint:
             interaction = interaction_type()
         return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, **kwargs)
 
-    def enqueue(self, request: Request, may_serve: bool = False) -> Any:
-        """Admit (cache) and queue ``request``; a batch to run when ``may_serve`` and it fired."""
+    def enqueue(self, request: Request, may_serve: bool = False, solo_only: bool = False) -> Any:
+        """Admit (cache) and queue ``request``; a batch to run when ``may_serve`` and it fired.
+
+        ``solo_only``: see :meth:`RequestQueue.put`.
+        """
         if self._admit is None:
-            return self.queue.put(request, may_serve)
+            return self.queue.put(request, may_serve, solo_only)
         if not self._admit(request):
             return None
         try:
-            return self.queue.put(request, may_serve)
+            return self.queue.put(request, may_serve, solo_only)
         except BaseException as err:
             self._abandon(request, err)  # type: ignore[misc]
             raise
@@ -120,7 +123,9 @@ class LocalEndpoint:
         if os.getpid() != self._pid:
             return self._other_process().call(td)
         request: BlockingRequest = self.make_request(BlockingRequest, td, threading.get_ident())
-        batch = self.enqueue(request, may_serve=True)
+        # A caller that runs by itself serves its own batch (no wake-up at
+        # all); with other callers around the worker runs it (see queue.py).
+        batch = self.enqueue(request, may_serve=True, solo_only=True)
         if batch is not None:
             self._serve(*batch)
         return request.wait(self._is_alive)
