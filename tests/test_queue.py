@@ -159,3 +159,33 @@ def test_a_served_caller_with_another_request_queued_is_not_idle():
     q.done_serving([r.caller for r in batch])
     # "a" still waits for its second request: nobody is idle, so it fires at once
     assert q.take_batch()[1] in (FireReason.FULL, FireReason.ALL_WAITING)
+
+
+def test_relay_wakes_one_caller_at_a_time_and_later_batches_join_the_running_chain():
+    import threading
+
+    from torchrl_batchserve.request import Relay
+
+    class Waiter:  # what Relay needs of a BlockingRequest
+        def __init__(self):
+            self._lock = threading.Lock()
+            self._lock.acquire()
+            self.next = None
+
+        def woken(self):
+            return not self._lock.locked()
+
+    a, b, c, d = Waiter(), Waiter(), Waiter(), Waiter()
+    a.next = b
+    relay = Relay()
+    relay.start(a, b)
+    assert [w.woken() for w in (a, b)] == [True, False]
+    relay.start(c, c)  # a second batch completes while a's chain runs
+    assert not c.woken()
+    relay.pass_on(a)
+    assert b.woken() and not c.woken()
+    relay.pass_on(b)
+    assert c.woken()
+    relay.pass_on(c)  # the chain ran out
+    relay.start(d, d)
+    assert d.woken()

@@ -34,6 +34,7 @@ __all__ = [
     "AsyncRequest",
     "BlockingRequest",
     "FutureRequest",
+    "Relay",
     "Request",
     "resolve",
     "write_outputs",
@@ -141,20 +142,18 @@ class Request:
 class BlockingRequest(Request):
     """A request whose caller blocks in :meth:`wait` until it is completed.
 
-    Followers of one batch are woken as a relay: the serve loop releases the
-    first, and each releases the next as it wakes. Waking a sleeping thread is
-    a syscall that costs tens of microseconds with the GIL held; the relay
-    spreads those costs over the followers and keeps one runnable thread at a
-    time instead of a pile-up on the GIL.
+    Completed requests are woken as a relay (:class:`Relay`): the serve loop
+    releases the first, and each releases the next as it wakes.
     """
 
-    __slots__ = ("_lock", "next")
+    __slots__ = ("_lock", "next", "relay")
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._lock = threading.Lock()
         self._lock.acquire()
         self.next: BlockingRequest | None = None
+        self.relay: Relay | None = None
 
     def _wake(self) -> None:
         self._lock.release()
@@ -170,11 +169,49 @@ class BlockingRequest(Request):
                 break  # completed, but the relay stalled before us: go on
             if not is_alive():
                 self.fail(ServerBrokenError("the serve loop stopped without answering"))
-        follower = self.next
-        if follower is not None:
-            self.next = None
-            follower._lock.release()
+        if self.relay is not None:
+            self.relay.pass_on(self)
         return self._result()
+
+
+class Relay:
+    """Wakes completed blocking callers one after another, in one chain.
+
+    Waking a sleeping thread is a syscall that costs tens of microseconds with
+    the GIL held, and a woken thread that finds the GIL taken sleeps again
+    until it is free. So the serve loop wakes only the first caller of a
+    batch, and each caller wakes the next as it wakes (:meth:`pass_on`): one
+    caller runs Python at a time instead of a pile-up on the GIL. The
+    callers of a batch completed while a chain is still being passed along
+    join its end rather than start a second chain (with more callers than
+    ``max_batch_size``, batches complete faster than their chains run out).
+    """
+
+    __slots__ = ("_lock", "_tail")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tail: BlockingRequest | None = None
+
+    def start(self, head: BlockingRequest, tail: BlockingRequest) -> None:
+        """Wake the chain ``head`` ... ``tail`` (linked by ``next``), after any running one."""
+        with self._lock:
+            running = self._tail
+            if running is not None:
+                running.next = head
+            self._tail = tail
+        if running is None:
+            head._lock.release()
+
+    def pass_on(self, request: BlockingRequest) -> None:
+        """``request``'s caller woke: wake the next one."""
+        with self._lock:
+            follower = request.next
+            request.next = None
+            if follower is None and self._tail is request:
+                self._tail = None
+        if follower is not None:
+            follower._lock.release()
 
 
 class FutureRequest(Request):
@@ -245,15 +282,18 @@ def _call_in_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, arg: Any
         pass  # the loop is closed: nobody is left to wait for these results
 
 
-def resolve(requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[Sequence[Any]]) -> None:
+def resolve(
+    requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[Sequence[Any]], relay: Relay | None = None
+) -> None:
     """Complete ``requests[i]`` with ``columns[k][i]`` for each key ``keys[k]``.
 
-    Blocking requests of other threads are woken as a relay (see
-    :class:`BlockingRequest`); asyncio requests are settled with one call per
-    event loop (``call_soon`` when it is the loop running here); futures
+    Blocking requests of other threads are woken through ``relay`` (a chain
+    of their own when ``None``); asyncio requests are settled with one call
+    per event loop (``call_soon`` when it is the loop running here); futures
     directly.
     """
     me = threading.get_ident()
+    relay = relay or Relay()
     by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
     head: BlockingRequest | None = None
     tail: BlockingRequest | None = None
@@ -264,6 +304,7 @@ def resolve(requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[
                 by_loop.setdefault(request.loop, []).append(request)
         elif type(request) is BlockingRequest and request.caller != me:
             if request._store(keys, values, None):
+                request.relay = relay
                 if tail is None:
                     head = request
                 else:
@@ -272,7 +313,8 @@ def resolve(requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[
         else:
             request.finish(keys, values)
     if head is not None:
-        head._lock.release()
+        assert tail is not None
+        relay.start(head, tail)
     _settle_by_loop(by_loop)
 
 

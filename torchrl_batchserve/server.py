@@ -36,7 +36,7 @@ from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import FireReason, RequestQueue
 from torchrl_batchserve.remote import RemotePolicy
-from torchrl_batchserve.request import Request, fail_all, resolve
+from torchrl_batchserve.request import Relay, Request, fail_all, resolve
 from torchrl_batchserve.stats import ServerStatistics, StatisticsRecorder
 from torchrl_batchserve.transport.hub import ProcessHub
 from torchrl_batchserve.transport.local import LocalEndpoint
@@ -203,6 +203,7 @@ class BatchedPolicyServer(TensorDictModule):
         self._layout = Layout(keys, variable, check=check, cost_fn=cost_fn, max_cost=max_batch_cost)
         self._queue = RequestQueue(max_batch_size, self.timeout, max_queue_size, max_batch_cost)
         self._stats = StatisticsRecorder()
+        self._relay = Relay()  # one wake-up chain for all blocking callers of this server
         self._weights = ShadowWeights(policy)
         self._lifecycle = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -482,7 +483,7 @@ class BatchedPolicyServer(TensorDictModule):
         self._queue.done_serving(callers)
         for group, columns, error in outcomes + followers:
             if error is None:
-                resolve(group, self._delivered, columns)
+                resolve(group, self._delivered, columns, self._relay)
             else:
                 fail_all(group, error)
 
