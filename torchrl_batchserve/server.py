@@ -429,9 +429,10 @@ class BatchedPolicyServer(TensorDictModule):
             _log.exception("the serve loop of %s died", type(self).__name__)
 
     def _serve_inline(self, requests: list[Request], reason: FireReason) -> None:
-        # A blocking caller whose request made the rule fire runs the batch
-        # itself; its own request is in it, so it learns every outcome from
-        # that request (a loop failure too, as ServerBrokenError).
+        # A caller whose request made the rule fire runs the batch itself (a
+        # blocking caller that runs by itself, an event loop's coroutine, the
+        # hub's reader); its own request is in it, so it learns every outcome
+        # from that request (a loop failure too, as ServerBrokenError).
         try:
             with torch.no_grad():
                 self._serve(requests, reason)
