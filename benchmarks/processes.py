@@ -144,8 +144,8 @@ def write_report(rows: list[dict], args: Any) -> None:
         f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
         f"torchrl {__import__('torchrl').__version__}; {time.strftime('%Y-%m-%d')}. Spawned workers, one call at "
         f"a time each; both servers in the parent with `max_batch_size={args.max_batch_size}`, "
-        f"`timeout={args.timeout}`; medians of {args.repeats} repeat(s), ratios within a repeat. Payloads as in "
-        "`docs/benchmarks.md`.",
+        f"`timeout={args.timeout}`; medians of {args.repeats} repeat(s), ratios within a repeat. Payloads and "
+        "one intra-op thread in every thread as in `docs/benchmarks.md`.",
         "",
         "| payload | worker processes | ours req/s | TorchRL req/s | x TorchRL | ours p50/p99 ms "
         "| TorchRL p50/p99 ms | mean batch ours/TorchRL |",
