@@ -199,7 +199,8 @@ def write_report(rows: list[dict], args: Any) -> None:
         f"{args.actors} actor threads; sequence lengths uniform in 1..{MAX_LEN}, {FEATURES} features per token; "
         f"max_batch_size={args.max_batch_size}, timeout={args.timeout}; median of {args.repeats} repeat(s). "
         "Policy: per-token MLP (16→64→64), mean-pooled, linear head. Ratios are to TorchRL 0.14.1's "
-        "InferenceServer with a padding `collate_fn`, measured in the same run.",
+        "InferenceServer with a padding `collate_fn`, measured in the same run. One intra-op thread in every "
+        "thread (`OMP_NUM_THREADS=1`).",
         "",
         "| system | req/s | × TorchRL | p50 ms | p99 ms | mean batch | CPU µs/req | tokens computed / real |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",

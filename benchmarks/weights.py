@@ -161,7 +161,8 @@ def write_report(rows: list[dict], args: Any) -> None:
         f"torchrl {__import__('torchrl').__version__}; {time.strftime('%Y-%m-%d')}. {args.actors} actor threads; a "
         f"trainer thread pushes new weights every {args.period * 1e3:.0f} ms; {args.seconds:.0f} s measured per run; "
         f"medians of {args.repeats} repeat(s). Ours: `update_weights` (shadow copy in the trainer's thread, swap at "
-        "a batch boundary). TorchRL: `InferenceServer.update_model` (copy under the model lock).",
+        "a batch boundary). TorchRL: `InferenceServer.update_model` (copy under the model lock). One intra-op "
+        "thread in every thread (`OMP_NUM_THREADS=1`).",
         "",
         "| policy | system | req/s idle | req/s pushing | kept | x TorchRL (pushing) | push start → first result ms |",
         "|---|---|---:|---:|---:|---:|---:|",
