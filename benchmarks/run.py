@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -152,6 +153,10 @@ def drive_tasks(acall: Callable, make: Callable, tasks: int, per_task: int) -> t
 
 
 def measure(system: str, payload: str, mode: str, actors: int, repeat: int, total: int, args: Any) -> Measurement:
+    # Every measurement starts with no garbage from the ones before: a full
+    # collection of this process's heap takes ~200 ms here, and each system
+    # should pay only for the collections its own allocations trigger.
+    gc.collect()
     policy, make = make_payload(payload)
     per_actor = max(1, total // actors)
     mean_batch = 1.0
@@ -345,7 +350,8 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, path
         "",
         f"Both servers: `max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`. "
         f"Medians of {args.repeats} repeat(s); ratios are taken within a repeat. "
-        "One intra-op thread in every thread (`torch.set_num_threads(1)`, `OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`).",
+        "One intra-op thread in every thread (`torch.set_num_threads(1)`, `OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`); "
+        "each measurement starts after `gc.collect()`.",
         "Payloads: `vector` = 64 floats into an MLP 64-256-256-8; `pixels` = 4x84x84 uint8 into a small conv net.",
         "`floor` = the policy's own batched forward at min(actors, max_batch_size) rows, no server; "
         "`naive` = every actor calls the shared policy itself.",
@@ -378,9 +384,10 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, path
     lines += [
         "",
         "Why actor threads gain less than asyncio tasks: each blocking thread must be woken by a futex call with the "
-        'GIL held, which costs tens of microseconds on a small VM; see `docs/design.md`, "What still limits many '
-        'threads". The floor is far above both servers for the vector payload: the per-request cost is the server, '
-        "not the forward.",
+        "GIL held, and on a small VM each wake-up crosses to an idle vCPU (10-25 us; a woken thread that finds the "
+        'GIL taken sleeps again); see `docs/design.md`, "What still limits many threads". Thread figures move by '
+        "+-20% between runs of this machine; the ratios, taken within a repeat, move less. The floor is far above "
+        "both servers for the vector payload: the per-request cost is the server, not the forward.",
         "",
         "Reproduce: `make bench` (or `python benchmarks/run.py [--quick] [--repeats N]`).",
         "",
