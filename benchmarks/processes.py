@@ -20,15 +20,13 @@ calls over the span from the first start to the last end.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from run import _pct, common_parser, make_payload, one_intraop_thread
+from run import _pct, common_parser, make_payload, one_intraop_thread, provenance, save_report
 from torchrl.modules.inference_server import InferenceServer, ProcessSlotTransport
 
 from torchrl_batchserve import BatchedPolicyServer
@@ -136,16 +134,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write_report(rows: list[dict], args: Any) -> None:
-    name = "benchmarks_processes_quick.md" if args.quick else "benchmarks_processes.md"
     lines = [
         "# Process actors: torchrl_batchserve vs TorchRL's ProcessSlotTransport",
         "",
-        f"Produced by `python benchmarks/processes.py{' --quick' if args.quick else ''}` on "
-        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
-        f"torchrl {__import__('torchrl').__version__}; {time.strftime('%Y-%m-%d')}. Spawned workers, one call at "
-        f"a time each; both servers in the parent with `max_batch_size={args.max_batch_size}`, "
-        f"`timeout={args.timeout}`; medians of {args.repeats} repeat(s), ratios within a repeat. Payloads and "
-        "one intra-op thread in every thread as in `docs/benchmarks.md`.",
+        provenance("processes.py", args),
+        "",
+        f"Spawned workers, one call at a time each; both servers in the parent with "
+        f"`max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`; medians of {args.repeats} repeat(s), "
+        "ratios within a repeat. Payloads and one intra-op thread in every thread as in `docs/benchmarks.md`.",
         "",
         "| payload | worker processes | ours req/s | TorchRL req/s | x TorchRL | ours p50/p99 ms "
         "| TorchRL p50/p99 ms | mean batch ours/TorchRL |",
@@ -158,9 +154,7 @@ def write_report(rows: list[dict], args: Any) -> None:
             f"| {o['p50_ms']:.2f}/{o['p99_ms']:.2f} | {t['p50_ms']:.2f}/{t['p99_ms']:.2f} "
             f"| {o['mean_batch']:.1f}/{t['mean_batch']:.1f} |"
         )
-    lines += ["", "Reproduce: `python benchmarks/processes.py` (add `--quick` for a smoke run).", ""]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / name).write_text("\n".join(lines))
+    save_report(lines, args, "benchmarks_processes", "processes.py")
 
 
 if __name__ == "__main__":

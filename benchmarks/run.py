@@ -338,15 +338,31 @@ def criteria(rows: list[dict], overhead: dict[str, float]) -> list[tuple[str, st
     return out
 
 
-def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, path: Path, plot: Path | None) -> None:
+def provenance(script: str, args: Any) -> str:
+    """The first line of every report: the command, the machine, the versions and the date."""
+    command = f"python benchmarks/{script}" + (" --quick" if args.quick else "")
+    return (
+        f"Produced by `{command}` on {platform.node() or 'this machine'}: {os.cpu_count()} CPUs, "
+        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"torchrl {__import__('torchrl').__version__}, tensordict {__import__('tensordict').__version__}; "
+        f"{time.strftime('%Y-%m-%d')}."
+    )
+
+
+def save_report(lines: list[str], args: Any, stem: str, script: str, reproduce: str | None = None) -> Path:
+    """Write ``lines`` and how to reproduce them to ``args.out/<stem>[_quick].md``."""
+    reproduce = reproduce or f"`python benchmarks/{script}` (add `--quick` for a smoke run)."
+    path = args.out / (f"{stem}_quick.md" if args.quick else f"{stem}.md")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join([*lines, "", f"Reproduce: {reproduce}", ""]))
+    return path
+
+
+def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, plot: Path | None) -> None:
     lines = [
         "# Benchmarks: torchrl_batchserve vs TorchRL's InferenceServer",
         "",
-        "Produced by `" + ("python benchmarks/run.py --quick" if args.quick else "python benchmarks/run.py") + "` "
-        f"on {platform.node() or 'this machine'}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}, "
-        f"torchrl {__import__('torchrl').__version__}, tensordict {__import__('tensordict').__version__}; "
-        f"{time.strftime('%Y-%m-%d')}.",
+        provenance("run.py", args),
         "",
         f"Both servers: `max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`. "
         f"Medians of {args.repeats} repeat(s); ratios are taken within a repeat. "
@@ -388,11 +404,10 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, path
         'GIL taken sleeps again); see `docs/design.md`, "What still limits many threads". Thread figures move by '
         "+-20% between runs of this machine; the ratios, taken within a repeat, move less. The floor is far above "
         "both servers for the vector payload: the per-request cost is the server, not the forward.",
-        "",
-        "Reproduce: `make bench` (or `python benchmarks/run.py [--quick] [--repeats N]`).",
-        "",
     ]
-    path.write_text("\n".join(lines))
+    save_report(
+        lines, args, "benchmarks", "run.py", "`make bench` (or `python benchmarks/run.py [--quick] [--repeats N]`)."
+    )
 
 
 def make_plot(rows: list[dict], path: Path) -> Path | None:
@@ -492,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     name = "benchmarks_quick" if args.quick else "benchmarks"
     plot = make_plot(rows, args.out / f"{name}.png")
-    write_report(rows, overhead, checks, args, args.out / f"{name}.md", plot)
+    write_report(rows, overhead, checks, args, plot)
     results_dir = ROOT / "benchmarks" / "results"
     results_dir.mkdir(exist_ok=True)
     (results_dir / f"{name}.json").write_text(json.dumps([asdict(m) for m in results], indent=1))

@@ -20,13 +20,12 @@ it computes, real or padding. Systems, in one process run, same inputs:
 
 from __future__ import annotations
 
-import platform
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
-from run import _pct, common_parser, drive_threads, one_intraop_thread
+from run import _pct, common_parser, drive_threads, one_intraop_thread, provenance, save_report
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 from torch import nn
@@ -192,9 +191,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write_report(rows: list[dict], args: Any) -> None:
-    name = "benchmarks_varlen_quick.md" if args.quick else "benchmarks_varlen.md"
     lines = [
         "# Variable-length benchmark",
+        "",
+        provenance("varlen.py", args),
         "",
         f"{args.actors} actor threads; sequence lengths uniform in 1..{MAX_LEN}, {FEATURES} features per token; "
         f"max_batch_size={args.max_batch_size}, timeout={args.timeout}; median of {args.repeats} repeat(s). "
@@ -210,16 +210,7 @@ def write_report(rows: list[dict], args: Any) -> None:
             f"| {r['system']} | {r['rps']:.0f} | {r['vs_torchrl']:.2f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
             f"{r['mean_batch']:.1f} | {r['cpu_us']:.0f} | {r['overhead']:.2f} |"
         )
-    lines += [
-        "",
-        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread, "
-        f"{len(__import__('os').sched_getaffinity(0))} CPUs; torch {torch.__version__}.",
-        "",
-        "Reproduce: `python benchmarks/varlen.py` (add `--quick` for a smoke run).",
-        "",
-    ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / name).write_text("\n".join(lines))
+    save_report(lines, args, "benchmarks_varlen", "varlen.py")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ Two policy sizes: the vector MLP of ``benchmarks/run.py`` and a wide one
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import threading
 import time
@@ -28,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from run import common_parser, one_intraop_thread
+from run import common_parser, one_intraop_thread, provenance, save_report
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.modules.inference_server import InferenceServer, ThreadingTransport
@@ -152,17 +150,15 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write_report(rows: list[dict], args: Any) -> None:
-    name = "benchmarks_weights_quick.md" if args.quick else "benchmarks_weights.md"
     lines = [
         "# Weight updates while serving",
         "",
-        f"Produced by `python benchmarks/weights.py{' --quick' if args.quick else ''}` on {os.cpu_count()} CPUs "
-        f"({platform.processor() or platform.machine()}), torch {torch.__version__}, "
-        f"torchrl {__import__('torchrl').__version__}; {time.strftime('%Y-%m-%d')}. {args.actors} actor threads; a "
-        f"trainer thread pushes new weights every {args.period * 1e3:.0f} ms; {args.seconds:.0f} s measured per run; "
-        f"medians of {args.repeats} repeat(s). Ours: `update_weights` (shadow copy in the trainer's thread, swap at "
-        "a batch boundary). TorchRL: `InferenceServer.update_model` (copy under the model lock). One intra-op "
-        "thread in every thread (`OMP_NUM_THREADS=1`).",
+        provenance("weights.py", args),
+        "",
+        f"{args.actors} actor threads; a trainer thread pushes new weights every {args.period * 1e3:.0f} ms; "
+        f"{args.seconds:.0f} s measured per run; medians of {args.repeats} repeat(s). Ours: `update_weights` (shadow "
+        "copy in the trainer's thread, swap at a batch boundary). TorchRL: `InferenceServer.update_model` (copy "
+        "under the model lock). One intra-op thread in every thread (`OMP_NUM_THREADS=1`).",
         "",
         "| policy | system | req/s idle | req/s pushing | kept | x TorchRL (pushing) | push start → first result ms |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -176,9 +172,7 @@ def write_report(rows: list[dict], args: Any) -> None:
                 f"| {params} | {system} | {s['idle']:,.0f} | {s['pushing']:,.0f} | {s['kept']:.0%} | {ratio} "
                 f"| {s['lag_ms']:.2f} |"
             )
-    lines += ["", "Reproduce: `python benchmarks/weights.py` (add `--quick` for a smoke run).", ""]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / name).write_text("\n".join(lines))
+    save_report(lines, args, "benchmarks_weights", "weights.py")
 
 
 if __name__ == "__main__":

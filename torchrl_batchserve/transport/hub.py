@@ -12,7 +12,7 @@ the last mapping); a server that dies or closes ends every client's ``recv``.
 One hub thread reads every client (one ``epoll`` set), turns
 each message into a :class:`ProcessRequest` and queues it through the
 server's endpoint; when a request completes a batch, the hub thread runs it
-itself, as a blocking caller would. Replies are written by whichever thread
+itself, as an event loop's coroutine does. Replies are written by whichever thread
 completes the request.
 
 Messages (pickled tuples; tensors only in the first request of a layout, or
