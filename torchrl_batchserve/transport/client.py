@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import threading
 from concurrent.futures import Future
-from multiprocessing.connection import Client, Connection
-from multiprocessing.reduction import recv_handle
+from multiprocessing.connection import Client
 from typing import Any
 
 from tensordict import TensorDictBase
@@ -23,8 +21,8 @@ from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, ServerClosedError
 from torchrl_batchserve.request import write_outputs
-from torchrl_batchserve.transport.hub import recv, send
 from torchrl_batchserve.transport.slots import Slot
+from torchrl_batchserve.transport.wire import Wire, frame
 
 __all__ = ["ProcessClient"]
 
@@ -48,26 +46,26 @@ class ProcessClient:
         self.authkey = authkey
         self.in_keys = list(in_keys)
         self._lock = threading.Lock()
-        self._conn: Connection | None = None
+        self._conn: Wire | None = None
         self._pid = os.getpid()
         self._inputs: Slot | None = None
         self._outputs: Slot | None = None
         self._closed = False
         self._last_head: Any = None
-        self._last_bytes = b""
+        self._last_frame = b""
 
     def process_address(self) -> tuple[str, bytes, list]:
         """Where another copy connects (a copy of a copy is a client of the same server)."""
         return self.address, self.authkey, self.in_keys
 
-    def _connection(self) -> Connection:
+    def _connection(self) -> Wire:
         if self._pid != os.getpid():  # forked with a connection: start afresh
             self._pid, self._conn, self._inputs, self._outputs = os.getpid(), None, None, None
         if self._closed:
             raise ServerClosedError("the server is closed and accepts no more requests")
         if self._conn is None:
             try:
-                self._conn = Client(self.address, family="AF_UNIX", authkey=self.authkey)
+                self._conn = Wire(Client(self.address, family="AF_UNIX", authkey=self.authkey))
             except (OSError, EOFError) as err:
                 self._closed = True
                 raise ServerClosedError(f"the server at {self.address} is closed or gone ({err})") from err
@@ -96,26 +94,26 @@ class ProcessClient:
                     head = (rows, batch_shape, mode)
                     if head != self._last_head:
                         self._last_head = head
-                        self._last_bytes = pickle.dumps(("req", rows, batch_shape, _value(mode), None))
-                    conn.send_bytes(self._last_bytes)
+                        self._last_frame = frame(("req", rows, batch_shape, _value(mode), None))
+                    conn.send_frame(self._last_frame)
                 else:
-                    send(conn, ("req", rows, batch_shape, _value(mode), payload))
+                    conn.send(("req", rows, batch_shape, _value(mode), payload))
             except OSError as err:
                 self._closed = True
                 raise ServerClosedError(f"the server is closed or gone ({err})") from err
             return self._wait(conn, td, rows, batch_shape)
 
-    def _wait(self, conn: Connection, td: TensorDictBase, rows: int, batch_shape: tuple[int, ...]) -> TensorDictBase:
+    def _wait(self, conn: Wire, td: TensorDictBase, rows: int, batch_shape: tuple[int, ...]) -> TensorDictBase:
         while True:
             try:
-                message = recv(conn)
+                message = conn.recv()
             except (EOFError, OSError) as err:
                 self._closed = True
                 raise ServerBrokenError("the server's process ended while this request was in flight") from err
             kind = message[0]
             if kind == "slot":
                 _, which, fields, capacity, size = message
-                slot = Slot.attach(fields, capacity, size, recv_handle(conn))
+                slot = Slot.attach(fields, capacity, size, conn.take_fd())
                 if which == "in":
                     self._inputs = slot
                 else:

@@ -15,12 +15,13 @@ server's endpoint; when a request completes a batch, the hub thread runs it
 itself, as an event loop's coroutine does. Replies are written by whichever thread
 completes the request.
 
-Messages (pickled tuples; tensors only in the first request of a layout, or
-when they do not fit the slot):
+Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`;
+tensors only in the first request of a layout, or when they do not fit the
+slot):
 
 * client -> hub: ``("req", rows, batch_shape, interaction, inputs | None)``
-* hub -> client: ``("slot", "in" | "out", fields, capacity, size)`` followed by
-  the slot's descriptor (``SCM_RIGHTS``); ``("done", error, outputs | None,
+* hub -> client: ``("slot", "in" | "out", fields, capacity, size)`` with the
+  slot's descriptor attached (``SCM_RIGHTS``); ``("done", error, outputs | None,
   keys)``; ``("closed",)``.
 """
 
@@ -35,7 +36,6 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, Listener
-from multiprocessing.reduction import send_handle
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from tensordict.nn import InteractionType
 from torchrl_batchserve.errors import BadRequestError, BatchServeError
 from torchrl_batchserve.request import Request
 from torchrl_batchserve.transport.slots import Slot
+from torchrl_batchserve.transport.wire import Wire, frame
 
 __all__ = ["ProcessHub", "ProcessRequest"]
 
@@ -52,15 +53,7 @@ _log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
 
 
-def send(conn: Connection, message: Any) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
-
-
-_DONE_BYTES = pickle.dumps(("done", None, None, None), protocol=pickle.HIGHEST_PROTOCOL)
+_DONE = frame(("done", None, None, None))  # the common reply, pickled once
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -76,7 +69,7 @@ class _Client:
     """A connected worker: its socket and its two slots."""
 
     def __init__(self, conn: Connection, ident: int) -> None:
-        self.conn = conn
+        self.wire = Wire(conn)
         self.ident = ident
         self.caller = ("process", ident)
         self.send_lock = threading.Lock()
@@ -91,12 +84,7 @@ class _Client:
             if not self.alive:
                 return
             try:
-                if message is None:
-                    self.conn.send_bytes(_DONE_BYTES)  # the common reply, pickled once
-                else:
-                    send(self.conn, message)
-                if fd is not None:
-                    send_handle(self.conn, fd, 0)
+                self.wire.send_frame(_DONE if message is None else frame(message), fd)
             except OSError:
                 self.alive = False  # the worker is gone; its reader sees EOF too
             finally:
@@ -175,7 +163,7 @@ class ProcessHub:
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
         self._pending: list[_Client] = []
-        self._clients: dict[Connection, _Client] = {}
+        self._clients: dict[int, _Client] = {}
         self._next_id = 0
         self._closed = False
         self._accepter = threading.Thread(target=self._accept_forever, name="batchserve-hub-accept", daemon=True)
@@ -214,8 +202,8 @@ class ProcessHub:
                     if self._closed:
                         return
                     for client in self._pending:
-                        self._clients[client.conn] = client
-                        selector.register(client.conn, selectors.EVENT_READ, client)
+                        self._clients[client.ident] = client
+                        selector.register(client.wire, selectors.EVENT_READ, client)
                     self._pending.clear()
                 for key, _ in selector.select():
                     client = key.data
@@ -225,16 +213,17 @@ class ProcessHub:
                     try:
                         if not client.alive:  # a reply found it gone
                             raise EOFError
-                        message = recv(client.conn)
+                        messages = client.wire.read()
                     except (EOFError, OSError):
-                        selector.unregister(client.conn)
+                        selector.unregister(client.wire)
                         self._drop(client)
                         continue
                     try:
-                        self._handle(client, message)
+                        for message in messages:
+                            self._handle(client, message)
                     except Exception:
                         _log.exception("bad message from worker client %d; dropping it", client.ident)
-                        selector.unregister(client.conn)
+                        selector.unregister(client.wire)
                         self._drop(client)
         finally:
             selector.close()
@@ -291,9 +280,9 @@ class ProcessHub:
 
     def _drop(self, client: _Client) -> None:
         client.alive = False
-        self._clients.pop(client.conn, None)
+        self._clients.pop(client.ident, None)
         try:
-            client.conn.close()
+            client.wire.close()
         except OSError:
             pass
         client.inputs = client.outputs = None  # the memory goes with the last view

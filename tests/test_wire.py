@@ -1,0 +1,61 @@
+"""The hub's framing: whole messages in order, descriptors with their message, EOF."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from multiprocessing.connection import Connection
+
+import pytest
+
+from torchrl_batchserve.transport.wire import Wire, frame
+
+
+@pytest.fixture
+def wires():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ends = Wire(Connection(a.detach())), Wire(Connection(b.detach()))
+    yield ends
+    for end in ends:
+        end.close()
+
+
+def test_messages_split_across_reads_or_sharing_one_arrive_whole_and_in_order(wires):
+    left, right = wires
+    big = ("req", 3, (3,), None, bytes(range(256)) * 1000)  # larger than one read
+    data = frame(("a", 1)) + frame(big) + frame(("b", 2))
+    cut = len(frame(("a", 1))) + 7  # the second message's header arrives, its body does not
+    left.sock.sendall(data[:cut])
+    assert right.read() == [("a", 1)]  # a partial message is kept, not returned
+    sender = threading.Thread(target=left.sock.sendall, args=(data[cut:],))  # more than the socket buffers
+    sender.start()
+    assert [right.recv(), right.recv()] == [big, ("b", 2)]
+    sender.join()
+
+
+def test_a_descriptor_arrives_with_the_message_that_announces_it(wires):
+    left, right = wires
+    fd = os.memfd_create("wire-test")
+    try:
+        os.write(fd, b"slot bytes")
+        left.send(("first",))
+        left.send(("slot", "in"), fd=fd)
+    finally:
+        os.close(fd)  # the receiver holds its own copy
+    assert right.recv() == ("first",)
+    assert right.recv() == ("slot", "in")
+    received = right.take_fd()
+    try:
+        assert os.pread(received, 10, 0) == b"slot bytes"
+    finally:
+        os.close(received)
+    with pytest.raises(EOFError, match="did not come"):
+        right.take_fd()
+
+
+def test_a_closed_peer_ends_a_waiting_recv_with_eof(wires):
+    left, right = wires
+    left.close()
+    with pytest.raises(EOFError):
+        right.recv()
