@@ -32,6 +32,7 @@ from torchrl.modules.inference_server import InferenceServer, ProcessSlotTranspo
 from torchrl_batchserve import BatchedPolicyServer
 
 ROOT = Path(__file__).resolve().parents[1]
+_MEDIANS = ("rps", "p50_ms", "p99_ms", "mean_batch", "server_cpu_us", "worker_cpu_us")
 
 
 def worker(call: Any, payload: str, seed: int, calls: int, barrier: Any, results: Any) -> None:
@@ -42,18 +43,18 @@ def worker(call: Any, payload: str, seed: int, calls: int, barrier: Any, results
         call(td.clone())
     barrier.wait()
     latencies = []
-    start = time.monotonic()
+    start, cpu = time.monotonic(), time.process_time()
     for _ in range(calls):
         t = time.perf_counter()
         call(td)
         latencies.append(time.perf_counter() - t)
-    results.put((start, time.monotonic(), latencies))
+    results.put((start, time.monotonic(), latencies, time.process_time() - cpu))
 
 
 def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dict:
     ctx = mp.get_context("spawn")
     policy, make = make_payload(payload)
-    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    barrier, results = ctx.Barrier(procs + 1), ctx.Queue()  # this process passes it too: its CPU clock starts
     kw = {"max_batch_size": args.max_batch_size, "timeout": args.timeout}
     if system == "ours":
         server: Any = BatchedPolicyServer(policy, **kw)
@@ -72,7 +73,10 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
         ]
         for w in workers:
             w.start()
+        barrier.wait()
+        server_cpu = time.process_time()
         out = [results.get(timeout=600) for _ in workers]
+        server_cpu = time.process_time() - server_cpu
         for w in workers:
             w.join(60)
         mean_batch = (
@@ -89,6 +93,8 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
         "p50_ms": _pct(latencies, 0.5),
         "p99_ms": _pct(latencies, 0.99),
         "mean_batch": mean_batch,
+        "server_cpu_us": 1e6 * server_cpu / n,
+        "worker_cpu_us": 1e6 * sum(o[3] for o in out) / n,
     }
 
 
@@ -110,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
                     runs.setdefault((payload, procs, system), []).append(r)
                     print(
                         f"[{repeat}] {payload:6s} {procs} procs {system:8s} {r['rps']:8.0f} req/s "
-                        f"p50 {r['p50_ms']:6.2f} p99 {r['p99_ms']:6.2f} ms batch {r['mean_batch']:5.1f}",
+                        f"p50 {r['p50_ms']:6.2f} p99 {r['p99_ms']:6.2f} ms batch {r['mean_batch']:5.1f} "
+                        f"CPU us/req server {r['server_cpu_us']:4.0f} workers {r['worker_cpu_us']:4.0f}",
                         flush=True,
                     )
     rows = []
@@ -122,10 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
             {
                 "payload": payload,
                 "procs": procs,
-                "ours": {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms", "mean_batch")},
-                "torchrl": {
-                    k: statistics.median(r[k] for r in theirs) for k in ("rps", "p50_ms", "p99_ms", "mean_batch")
-                },
+                "ours": {k: statistics.median(r[k] for r in rs) for k in _MEDIANS},
+                "torchrl": {k: statistics.median(r[k] for r in theirs) for k in _MEDIANS},
                 "x_torchrl": statistics.median(a["rps"] / b["rps"] for a, b in zip(rs, theirs)),
             }
         )
@@ -141,18 +146,21 @@ def write_report(rows: list[dict], args: Any) -> None:
         "",
         f"Spawned workers, one call at a time each; both servers in the parent with "
         f"`max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`; medians of {args.repeats} repeat(s), "
-        "ratios within a repeat. Payloads and one intra-op thread in every thread as in `docs/benchmarks.md`.",
+        "ratios within a repeat. Payloads and one intra-op thread in every thread as in `docs/benchmarks.md`. "
+        "CPU per request: the server's process (all its threads) and the workers' timed loops, over all requests.",
         "",
         "| payload | worker processes | ours req/s | TorchRL req/s | x TorchRL | ours p50/p99 ms "
-        "| TorchRL p50/p99 ms | mean batch ours/TorchRL |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| TorchRL p50/p99 ms | mean batch ours/TorchRL | CPU us/req server ours/TorchRL "
+        "| CPU us/req workers ours/TorchRL |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         o, t = r["ours"], r["torchrl"]
         lines.append(
             f"| {r['payload']} | {r['procs']} | {o['rps']:,.0f} | {t['rps']:,.0f} | **{r['x_torchrl']:.2f}** "
             f"| {o['p50_ms']:.2f}/{o['p99_ms']:.2f} | {t['p50_ms']:.2f}/{t['p99_ms']:.2f} "
-            f"| {o['mean_batch']:.1f}/{t['mean_batch']:.1f} |"
+            f"| {o['mean_batch']:.1f}/{t['mean_batch']:.1f} | {o['server_cpu_us']:.0f}/{t['server_cpu_us']:.0f} "
+            f"| {o['worker_cpu_us']:.0f}/{t['worker_cpu_us']:.0f} |"
         )
     save_report(lines, args, "benchmarks_processes", "processes.py")
 

@@ -85,7 +85,7 @@ class ProcessClient:
             inputs = [td.get(key, None) for key in self.in_keys]
             slot = self._inputs
             if slot is not None and slot.fits(inputs, rows, len(batch_shape)):
-                slot.write(inputs, rows, len(batch_shape))
+                slot.write(inputs, rows, batch_shape)
                 payload = None
             else:
                 payload = td.select(*[k for k, v in zip(self.in_keys, inputs) if v is not None], strict=False)

@@ -123,7 +123,7 @@ class ProcessRequest(Request):
             slot, fd = Slot.create(specs, capacity)
             client.outputs = slot
             client.send(("slot", "out", *slot.describe()), fd=fd)
-        slot.write([v.cpu() for v in values], rows, dims)
+        slot.write([v.cpu() for v in values], rows, self.batch_shape)
         client.send(None)
 
 
@@ -256,10 +256,7 @@ class ProcessHub:
             return self._make_request(ProcessRequest, td, client.caller, mode, client=client)
         # The slot's layout was validated with the request that made it: only
         # the rows are new. Inputs are views, as validation would return them.
-        if batch_shape:
-            inputs = tuple(t[:rows] for t in slot.tensors.values())
-        else:
-            inputs = tuple(t[0] for t in slot.tensors.values())
+        inputs = tuple(slot.views(rows, (rows,) if batch_shape else ()))
         return ProcessRequest(None, inputs, rows, torch.Size(batch_shape), client.caller, mode, _CPU, client=client)
 
     def _offer_slot(self, client: _Client, request: Request) -> None:

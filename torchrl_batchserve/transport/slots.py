@@ -52,6 +52,8 @@ class Slot:
         for f in self.fields:
             nbytes = capacity * _row_bytes(f.dtype, f.feature)
             self.tensors[f.key] = raw[f.offset : f.offset + nbytes].view(f.dtype).view(capacity, *f.feature)
+        self._shape: tuple[int, tuple[int, ...]] | None = None
+        self._views: list[torch.Tensor] = []
 
     @classmethod
     def create(cls, specs: Sequence[tuple[Any, torch.dtype, tuple[int, ...]]], capacity: int) -> tuple[Slot, int]:
@@ -93,27 +95,31 @@ class Slot:
                 return False
         return True
 
-    def write(self, values: Sequence[torch.Tensor], rows: int, batch_dims: int) -> None:
-        for t, v in zip(self.tensors.values(), values):
-            if batch_dims == 0:
-                t[0].copy_(v)
-            elif batch_dims == 1:
-                t[:rows].copy_(v)
+    def views(self, rows: int, batch_shape: Sequence[int]) -> list[torch.Tensor]:
+        """Each field's first ``rows`` rows shaped ``(*batch_shape, *feature)``.
+
+        Views of the shared memory, kept for the last shape asked (a client
+        asks for the same one call after call; indexing costs microseconds).
+        """
+        shape = (rows, tuple(batch_shape))
+        if shape != self._shape:
+            dims = len(batch_shape)
+            if dims == 0:
+                views = [t[0] for t in self.tensors.values()]
+            elif dims == 1:
+                views = [t[:rows] for t in self.tensors.values()]
             else:
-                t[:rows].copy_(v.reshape(rows, *t.shape[1:]))
+                views = [t[:rows].view(*batch_shape, *t.shape[1:]) for t in self.tensors.values()]
+            self._shape, self._views = shape, views
+        return self._views
+
+    def write(self, values: Sequence[torch.Tensor], rows: int, batch_shape: Sequence[int]) -> None:
+        for view, value in zip(self.views(rows, batch_shape), values):
+            view.copy_(value)
 
     def read(self, rows: int, batch_shape: Sequence[int], clone: bool) -> list[torch.Tensor]:
-        out = []
-        dims = len(batch_shape)
-        for t in self.tensors.values():
-            if dims == 0:
-                v = t[0]
-            elif dims == 1:
-                v = t[:rows]
-            else:
-                v = t[:rows].reshape((*batch_shape, *t.shape[1:]))
-            out.append(v.clone() if clone else v)
-        return out
+        views = self.views(rows, batch_shape)
+        return [v.clone() for v in views] if clone else list(views)
 
     def specs(self) -> list[tuple[Any, torch.dtype, tuple[int, ...]]]:
         return [(f.key, f.dtype, f.feature) for f in self.fields]
