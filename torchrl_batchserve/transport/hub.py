@@ -53,6 +53,7 @@ _log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
 
 
+_MODES = {m.value: m for m in InteractionType}
 _DONE = frame(("done", None, None, None))  # the common reply, pickled once
 
 
@@ -69,7 +70,7 @@ class _Client:
     """A connected worker: its socket and its two slots."""
 
     def __init__(self, conn: Connection, ident: int) -> None:
-        self.wire = Wire(conn)
+        self.wire = Wire(conn, receives_fds=False)  # workers send no descriptors
         self.ident = ident
         self.caller = ("process", ident)
         self.send_lock = threading.Lock()
@@ -123,7 +124,7 @@ class ProcessRequest(Request):
             slot, fd = Slot.create(specs, capacity)
             client.outputs = slot
             client.send(("slot", "out", *slot.describe()), fd=fd)
-        slot.write([v.cpu() for v in values], rows, self.batch_shape)
+        slot.write(values, rows, self.batch_shape)  # copy_ brings device values over
         client.send(None)
 
 
@@ -230,7 +231,7 @@ class ProcessHub:
 
     def _handle(self, client: _Client, message: tuple) -> None:
         _, rows, batch_shape, interaction, data = message
-        mode = None if interaction is None else InteractionType(interaction)
+        mode = None if interaction is None else _MODES[interaction]
         try:
             if data is not None:
                 request = self._make_request(ProcessRequest, data, client.caller, mode, client=client)

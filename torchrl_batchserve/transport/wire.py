@@ -45,6 +45,8 @@ class Wire:
     Args:
         conn: a ``Connection`` that passed the ``authkey`` handshake; the wire
             takes its socket over (``conn`` is closed).
+        receives_fds: whether descriptors may come this way (a client's
+            end); without, reads are a plain ``recv``.
 
     Not thread-safe: one thread reads, with either :meth:`read` (all that
     arrived: the hub's event loop) or :meth:`recv` (one message at a time: a
@@ -52,7 +54,8 @@ class Wire:
     around :meth:`send_frame`).
     """
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, receives_fds: bool = True) -> None:
+        self.receives_fds = receives_fds
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno()))
         conn.close()
         self._buffer = bytearray()
@@ -79,10 +82,13 @@ class Wire:
 
         Raises ``EOFError`` when the peer closed its end or died.
         """
-        data, ancdata, _, _ = self.sock.recvmsg(_CHUNK, _FDS)
-        for level, kind, fds in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                self._fds.extend(array.array("i", fds[: len(fds) - len(fds) % 4]))
+        if self.receives_fds:
+            data, ancdata, _, _ = self.sock.recvmsg(_CHUNK, _FDS)
+            for level, kind, fds in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    self._fds.extend(array.array("i", fds[: len(fds) - len(fds) % 4]))
+        else:
+            data = self.sock.recv(_CHUNK)
         if not data:
             raise EOFError("the peer closed the connection")
         buffer = self._buffer
