@@ -80,7 +80,7 @@ class _Client:
         self.alive = True
 
     def send(self, message: Any, fd: int | None = None) -> None:
-        """Send ``message`` (``None``: a plain "done"), then the descriptor ``fd`` if any."""
+        """Send ``message`` (``None``: a plain "done"), with the descriptor ``fd`` if any (then closed here)."""
         with self.send_lock:
             if not self.alive:
                 return
@@ -277,12 +277,13 @@ class ProcessHub:
         client.send(("slot", "in", *slot.describe()), fd=fd)
 
     def _drop(self, client: _Client) -> None:
-        client.alive = False
         self._clients.pop(client.ident, None)
-        try:
-            client.wire.close()
-        except OSError:
-            pass
+        with client.send_lock:  # a reply being written finishes first; later ones see alive=False
+            client.alive = False
+            try:
+                client.wire.close()  # its descriptor number may be reused at once
+            except OSError:
+                pass
         client.inputs = client.outputs = None  # the memory goes with the last view
 
     def close(self, timeout: float | None = 5.0) -> None:
