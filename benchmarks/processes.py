@@ -22,7 +22,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +30,6 @@ from torchrl.modules.inference_server import InferenceServer, ProcessSlotTranspo
 
 from torchrl_batchserve import BatchedPolicyServer
 
-ROOT = Path(__file__).resolve().parents[1]
 _MEDIANS = ("rps", "p50_ms", "p99_ms", "mean_batch", "server_cpu_us", "worker_cpu_us")
 
 

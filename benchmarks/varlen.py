@@ -21,7 +21,6 @@ it computes, real or padding. Systems, in one process run, same inputs:
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +32,6 @@ from torchrl.modules.inference_server import InferenceServer, ThreadingTransport
 
 from torchrl_batchserve import BatchedPolicyServer, PackCollate, PadCollate
 
-ROOT = Path(__file__).resolve().parents[1]
 FEATURES, MAX_LEN, BUCKETS = 16, 128, [16, 32, 64, 128]
 
 

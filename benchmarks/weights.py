@@ -22,7 +22,6 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,8 +31,6 @@ from tensordict.nn import TensorDictModule
 from torchrl.modules.inference_server import InferenceServer, ThreadingTransport
 
 from torchrl_batchserve import BatchedPolicyServer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_policy(width: int, seed: int) -> TensorDictModule:
