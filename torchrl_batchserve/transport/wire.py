@@ -6,8 +6,9 @@ socket. A message is a frame: a 4-byte big-endian length, then the pickled
 payload (the framing ``Connection`` uses, so a peer could read it with
 ``recv_bytes``). What a ``Wire`` adds over ``Connection``:
 
-* one ``recvmsg`` reads whatever frames have arrived, and the descriptors
-  sent with them, where ``Connection.recv_bytes`` makes two ``read`` calls
+* one read (``recvmsg`` on a client's end, which takes the descriptors sent
+  with the frames; a plain ``recv`` on the hub's) takes whatever frames have
+  arrived, where ``Connection.recv_bytes`` makes two ``read`` calls
   per message and :func:`multiprocessing.reduction.recv_handle` a third
   (on the hot path a request and its reply are one frame each way, so this
   halves the reads);
