@@ -189,3 +189,39 @@ def test_relay_wakes_one_caller_at_a_time_and_later_batches_join_the_running_cha
     relay.pass_on(c)  # the chain ran out
     relay.start(d, d)
     assert d.woken()
+
+
+def test_relay_wait_idle_returns_once_the_chain_runs_out_or_after_its_timeout():
+    import threading
+    import time
+
+    from torchrl_batchserve.request import Relay
+
+    class Waiter:
+        def __init__(self):
+            self._lock = threading.Lock()
+            self._lock.acquire()
+            self.next = None
+
+    relay = Relay()
+    relay.wait_idle(30.0)  # no chain: returns at once
+    a, b = Waiter(), Waiter()
+    a.next = b
+    relay.start(a, b)
+    waiter = threading.Thread(target=relay.wait_idle, args=(30.0,))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while relay._idle_waiter is None and time.monotonic() < deadline:
+        time.sleep(0.001)  # until the thread registered as the idle waiter
+    assert relay._idle_waiter is not None and waiter.is_alive()
+    relay.pass_on(a)  # b is still to wake: the chain runs on
+    assert relay._idle_waiter is not None and waiter.is_alive()
+    relay.pass_on(b)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and relay._idle_waiter is None
+    # A chain that never runs out (a caller that never woke) holds it back only for the timeout.
+    c = Waiter()
+    relay.start(c, c)
+    started = time.monotonic()
+    relay.wait_idle(0.05)
+    assert time.monotonic() - started >= 0.04 and relay._idle_waiter is None

@@ -563,3 +563,24 @@ def test_every_serving_thread_runs_the_policy_with_torchs_intra_op_thread_count(
         torch.set_num_threads(before)
     assert {name for name, _ in seen} == {"fresh-actor", f"{BatchedPolicyServer.__name__}-worker"}
     assert [n for _, n in seen] == [1, 1, 1]
+
+
+def test_layout_fast_path_returns_what_the_general_path_returns():
+    from torchrl_batchserve.layout import Layout
+
+    fast = Layout(["a", "b"])
+    general = Layout(["a", "b"], cost_fn=lambda td: 0)  # a cost_fn keeps it off the plain loop
+    first = TensorDict(a=torch.randn(3), b=torch.arange(2))
+    for layout in (fast, general):
+        layout.check(first)
+    assert fast._plain is not None and general._plain is None
+    single = TensorDict(a=torch.randn(3), b=torch.arange(2), device="cpu")
+    v, w = fast.check(single), general.check(single)
+    assert (v.rows, v.batch_shape, v.device, v.cost) == (w.rows, w.batch_shape, w.device, w.cost)
+    assert all(x is y for x, y in zip(v.inputs, w.inputs))
+    for bad in (TensorDict(a=torch.randn(3), b=torch.arange(2.0)), TensorDict(a=torch.randn(3))):
+        with pytest.raises(BadRequestError) as fast_error:
+            fast.check(bad)
+        with pytest.raises(BadRequestError) as general_error:
+            general.check(bad)
+        assert str(fast_error.value) == str(general_error.value)

@@ -130,7 +130,9 @@ class Layout:
         self._cost_fn = cost_fn
         self._max_cost = max_cost
         self._variable = {key: tuple(dims) for key, dims in (variable_dims or {}).items()}
-        self._specs: tuple[KeySpec, ...] | None = tuple(specs) if specs is not None else None
+        self._specs: tuple[KeySpec, ...] | None = None
+        self._plain: tuple[tuple[str, torch.dtype, tuple, torch.device | None], ...] | None = None
+        self._set_specs(tuple(specs) if specs is not None else None)
         self._confirmed = specs is not None
         self._lock = threading.Lock()
 
@@ -138,8 +140,42 @@ class Layout:
     def specs(self) -> tuple[KeySpec, ...] | None:
         return self._specs
 
+    def _set_specs(self, specs: tuple[KeySpec, ...] | None) -> None:
+        self._specs = specs
+        # The common request, one observation of fixed-size tensors under
+        # string keys, is checked by a loop over plain tuples (~1 us, a third
+        # of the general path); anything it does not accept takes that path,
+        # which also words the errors.
+        plain = None
+        if specs is not None and self._check is None and self._cost_fn is None:
+            plain = tuple(
+                (key, spec.dtype, spec.shape, spec.device)
+                for key, spec in zip(self.keys, specs)
+                if type(key) is str and spec.dtype is not None and spec.shape is not None and None not in spec.shape
+            )
+            if len(plain) != len(specs):
+                plain = None
+        self._plain = plain
+
     def check(self, td: Any) -> Validated:
         """Validate ``td`` and return its inputs; raise :class:`BadRequestError`."""
+        plain = self._plain
+        if plain is not None and type(td) is TensorDict and not td.batch_size:
+            values = []
+            device = None
+            for key, dtype, shape, device in plain:
+                value = td._get_str(key, None)
+                if not (
+                    isinstance(value, torch.Tensor)
+                    and value.dtype == dtype
+                    and value.shape == shape
+                    and value.device == device
+                ):
+                    break
+                values.append(value)
+            else:
+                td_device = td.device
+                return Validated(tuple(values), 1, td.batch_size, device if td_device is None else td_device)
         if not isinstance(td, TensorDictBase):
             raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
         batch_shape = td.batch_size
@@ -216,7 +252,7 @@ class Layout:
         """The first batch failed: let the next request fix the layout again."""
         with self._lock:
             if not self._confirmed:
-                self._specs = None
+                self._set_specs(None)
 
     def _establish(self, values: list[Any], batch_dims: int) -> tuple[KeySpec, ...]:
         specs = []
@@ -234,8 +270,8 @@ class Layout:
                 specs.append(KeySpec(None, None, None))
         with self._lock:
             if self._specs is None:
-                self._specs = tuple(specs)
-            return self._specs
+                self._set_specs(tuple(specs))
+            return self._specs  # type: ignore[return-value]
 
     def _shape_matches(self, key: Any, feature: torch.Size, expected: tuple[int | None, ...] | None) -> bool:
         if expected is None:

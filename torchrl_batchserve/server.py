@@ -424,6 +424,9 @@ class BatchedPolicyServer(TensorDictModule):
                     return
                 self._serve(*taken)
                 taken = None  # do not keep the last batch (and the memory its inputs view) alive while idle
+                # Let the callers just served wake before the next forward
+                # competes with them for the GIL (request.Relay).
+                self._relay.wait_idle(self.timeout)
         except Exception:
             # _serve already failed every request with ServerBrokenError.
             _log.exception("the serve loop of %s died", type(self).__name__)
