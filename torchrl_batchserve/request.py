@@ -186,18 +186,24 @@ class Relay:
     join its end rather than start a second chain (with more callers than
     ``max_batch_size``, batches complete faster than their chains run out).
 
-    The serve loop's worker waits for a chain to run out (:meth:`wait_idle`)
-    before it takes its next batch: a forward gives the GIL back at every
-    torch op and must win it back from the callers of the chain each time, so
-    overlapping the two slowed both (256 threads: 23k -> 28k requests/s).
+    A forward gives the GIL back at every torch op and must win it back from
+    the callers of a running chain each time. So when a batch took less time
+    than waking its callers will (:meth:`seconds_per_wake` each), the serve
+    loop's worker waits for the chain to run out (:meth:`wait_idle`) before
+    it takes its next batch (vector payload, 256 threads: 27k -> 34k
+    requests/s); a longer forward (a conv net on pixels) overlaps the chain,
+    which then costs it little.
     """
 
-    __slots__ = ("_idle_waiter", "_lock", "_tail")
+    __slots__ = ("_idle_waiter", "_last_per_wake", "_lock", "_started", "_tail", "_woken")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tail: BlockingRequest | None = None
         self._idle_waiter: Any = None
+        self._started = 0.0  # when the running chain started
+        self._woken = 0  # callers it has woken so far
+        self._last_per_wake = 0.0
 
     def start(self, head: BlockingRequest, tail: BlockingRequest) -> None:
         """Wake the chain ``head`` ... ``tail`` (linked by ``next``), after any running one."""
@@ -205,6 +211,8 @@ class Relay:
             running = self._tail
             if running is not None:
                 running.next = head
+            else:
+                self._started, self._woken = time.perf_counter(), 0
             self._tail = tail
         if running is None:
             head._lock.release()
@@ -215,13 +223,22 @@ class Relay:
         with self._lock:
             follower = request.next
             request.next = None
+            self._woken += 1
             if follower is None and self._tail is request:
                 self._tail = None
+                self._last_per_wake = (time.perf_counter() - self._started) / self._woken
                 idle, self._idle_waiter = self._idle_waiter, None
         if follower is not None:
             follower._lock.release()
         elif idle is not None:
             idle.release()
+
+    def seconds_per_wake(self) -> float:
+        """How long the chain takes per caller: the running one's so far, else the last one's."""
+        with self._lock:
+            if self._tail is not None and self._woken:
+                return (time.perf_counter() - self._started) / self._woken
+            return self._last_per_wake
 
     def wait_idle(self, timeout: float) -> None:
         """Block until no chain is being passed along, for at most ``timeout`` seconds.

@@ -422,11 +422,15 @@ class BatchedPolicyServer(TensorDictModule):
                 taken = self._queue.take_batch()
                 if taken is None:
                     return
+                started = time.perf_counter()
                 self._serve(*taken)
+                took, served = time.perf_counter() - started, len(taken[0])
                 taken = None  # do not keep the last batch (and the memory its inputs view) alive while idle
-                # Let the callers just served wake before the next forward
-                # competes with them for the GIL (request.Relay).
-                self._relay.wait_idle(self.timeout)
+                # A batch shorter than waking its callers waits for them to
+                # wake first: run together, the forward and the callers
+                # fight over the GIL at every torch op (request.Relay).
+                if took < served * self._relay.seconds_per_wake():
+                    self._relay.wait_idle(self.timeout)
         except Exception:
             # _serve already failed every request with ServerBrokenError.
             _log.exception("the serve loop of %s died", type(self).__name__)
