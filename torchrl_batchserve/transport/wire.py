@@ -13,7 +13,15 @@ payload (the framing ``Connection`` uses, so a peer could read it with
   (on the hot path a request and its reply are one frame each way, so this
   halves the reads);
 * a descriptor travels in the same ``sendmsg`` as the frame that announces
-  it, so the frame and its descriptor can never be read apart.
+  it, so the frame and its descriptor can never be read apart;
+* :meth:`Wire.recv` waits in ``poll`` for the socket to become readable
+  before it reads. A thread asleep in a blocking ``recv`` on a Unix stream
+  socket is also woken when the peer *reads* what this end sent (the
+  kernel's write-space wake-up shares the socket's wait queue and does not
+  look at the event): the hub reading a client's request woke the client
+  once for nothing, and it slept again. ``poll`` filters by event: one
+  sleep per reply instead of two (worker processes: 1.95 -> 1.00 voluntary
+  context switches per request).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import array
 import os
 import pickle
+import select
 import socket
 import struct
 from collections import deque
@@ -62,6 +71,8 @@ class Wire:
         self._buffer = bytearray()
         self._fds: deque[int] = deque()
         self._inbox: deque[Any] = deque()
+        self._readable = select.poll()
+        self._readable.register(self.sock, select.POLLIN)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -111,6 +122,7 @@ class Wire:
         """The next message, blocking until it has arrived (``EOFError``: the peer is gone)."""
         inbox = self._inbox
         while not inbox:
+            self._readable.poll()  # returns on data, end-of-file or error (see the module docstring)
             inbox.extend(self.read())
         return inbox.popleft()
 
