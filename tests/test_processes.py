@@ -114,6 +114,25 @@ def test_pickled_copies_are_separate_clients():
     assert slot_mappings() == 0  # anonymous memory files: nothing named to leak, nothing left once unused
 
 
+def test_the_hub_fires_timeouts_for_the_requests_it_queued():
+    # Two clients are known; while one stays away, the other's requests can
+    # only run on timeout, which the hub keeps (their arrival wakes nobody).
+    policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, timeout=0.02) as server:
+        remote = server.remote_policy()
+        a, b = pickle.loads(pickle.dumps(remote)), pickle.loads(pickle.dumps(remote))
+        a(TensorDict(observation=torch.zeros(8))), b(TensorDict(observation=torch.zeros(8)))
+        before = server.statistics().fired.get("timeout", 0)
+        outs: list = []
+        caller = threading.Thread(target=lambda: outs.append(a(TensorDict(observation=torch.ones(8)))))
+        caller.start()
+        caller.join(timeout=30)
+        assert not caller.is_alive() and len(outs) == 1
+        assert server.statistics().fired.get("timeout", 0) - before == 1
+        with torch.no_grad():
+            torch.testing.assert_close(outs[0]["logits"], policy.module(torch.ones(8)))
+
+
 def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
     gated = GatedPolicy(pw.make_net(), block_first=1)
     with BatchedPolicyServer(gated, timeout=0.01) as server:

@@ -225,3 +225,22 @@ def test_relay_wait_idle_returns_once_the_chain_runs_out_or_after_its_timeout():
     started = time.monotonic()
     relay.wait_idle(0.05)
     assert time.monotonic() - started >= 0.04 and relay._idle_waiter is None
+
+
+def test_take_due_gives_the_batch_the_rule_fires_or_the_seconds_until_the_timeout():
+    import time
+
+    q = RequestQueue(max_batch_size=2, timeout=60.0)
+    assert q.take_due() is None  # nothing queued
+    q.done_serving(["idle"])  # a known caller that is not waiting keeps all_waiting out
+    assert q.put(R(enqueued_at=time.monotonic()), may_serve=True, keeps_time=True) is None
+    remaining = q.take_due()
+    assert isinstance(remaining, float) and 59.0 < remaining <= 60.0
+    q.put(R(caller="b"), keeps_time=True)
+    batch, reason = q.take_due()  # two rows: full
+    assert reason is FireReason.FULL and len(batch) == 2
+    assert q.take_due() is None  # a batch runs: whoever serves it looks at the queue next
+    q.done_serving(["a", "b"])
+    q.put(R(enqueued_at=0.0), keeps_time=True)  # queued long ago: its timeout has passed
+    batch, reason = q.take_due()
+    assert reason is FireReason.TIMEOUT and len(batch) == 1

@@ -33,6 +33,12 @@ last batch too); with other callers around, the worker runs the batch, and
 its forward overlaps their Python work instead of holding them all until the
 batch is done. Otherwise the worker runs it; the worker is woken only when a
 rule may have become true, not per request.
+
+Who keeps the time: the worker, woken when a request enters an empty queue.
+A caller that waits for events anyway can keep it instead (``keeps_time``:
+the hub of worker processes sleeps in ``epoll`` until the next message or
+the oldest request's timeout, whichever comes first, and then asks
+:meth:`RequestQueue.take_due`); its requests then wake nobody on arrival.
 """
 
 from __future__ import annotations
@@ -110,7 +116,7 @@ class RequestQueue:
         return self._closed
 
     def put(
-        self, request: Request, may_serve: bool = False, solo_only: bool = False
+        self, request: Request, may_serve: bool = False, solo_only: bool = False, keeps_time: bool = False
     ) -> tuple[list[Request], FireReason] | None:
         """Enqueue ``request``, or raise at once if it can never be served.
 
@@ -118,7 +124,9 @@ class RequestQueue:
         the caller to run itself when the rule fires now and no batch is
         running; it must then call :meth:`done_serving`. With ``solo_only``
         too, only when ``request`` alone makes the batch and its caller was
-        the only caller of the last batch.
+        the only caller of the last batch. With ``keeps_time``, the caller
+        calls :meth:`take_due` once :meth:`take_due` said the timeout is
+        due, so the worker is not woken to start the clock.
         """
         with self._cond:
             if self._closed:
@@ -142,7 +150,7 @@ class RequestQueue:
             elif not self._idle:
                 reason = FireReason.ALL_WAITING
             else:
-                if was_empty:
+                if was_empty and not keeps_time:
                     self._cond.notify()  # start the worker's timeout clock
                 return None
             if may_serve and (not solo_only or (len(self._items) == 1 and caller == self._solo)):
@@ -168,24 +176,47 @@ class RequestQueue:
         with self._cond:
             while True:
                 if self._items and not self._serving:
-                    if self._full():
-                        reason = FireReason.FULL
-                    elif self._closed:
-                        reason = FireReason.CLOSING
-                    elif not self._idle:
-                        reason = FireReason.ALL_WAITING
-                    else:
-                        remaining = self._items[0].enqueued_at + self._timeout - time.monotonic()
-                        if remaining > 0:
-                            self._cond.wait(remaining)
-                            continue
-                        self._idle.clear()
-                        reason = FireReason.TIMEOUT
+                    reason = self._rule()
+                    if not isinstance(reason, FireReason):
+                        self._cond.wait(reason)
+                        continue
                     self._serving = True
                     return self._pop(), reason
                 if self._closed and not self._items and not self._serving:
                     return None
                 self._cond.wait()
+
+    def take_due(self) -> tuple[list[Request], FireReason] | float | None:
+        """Without blocking: the batch if the rule fires now (the caller then
+        holds the serving token), else the seconds until the oldest queued
+        request's timeout; ``None`` when nothing is queued or a batch runs
+        (whoever serves it looks at the queue next).
+        """
+        with self._cond:
+            if not self._items or self._serving:
+                return None
+            reason = self._rule()
+            if not isinstance(reason, FireReason):
+                return reason
+            self._serving = True
+            return self._pop(), reason
+
+    def _rule(self) -> FireReason | float:
+        """Why the queued requests run now, or the seconds until they time out.
+
+        Called with the lock held, requests queued and no batch running.
+        """
+        if self._full():
+            return FireReason.FULL
+        if self._closed:
+            return FireReason.CLOSING
+        if not self._idle:
+            return FireReason.ALL_WAITING
+        remaining = self._items[0].enqueued_at + self._timeout - time.monotonic()
+        if remaining > 0:
+            return remaining
+        self._idle.clear()
+        return FireReason.TIMEOUT
 
     def done_serving(self, callers: Iterable[Any]) -> None:
         """Release the serving token; ``callers`` were just served (call before waking them)."""

@@ -299,7 +299,12 @@ class BatchedPolicyServer(TensorDictModule):
                     and (self.cache is None or self.cache.key_fn is None)
                 )
                 self._hub = ProcessHub(
-                    self._layout.keys, self._endpoint.make_request, self._endpoint.enqueue, self._serve_inline, trusted
+                    self._layout.keys,
+                    self._endpoint.make_request,
+                    self._endpoint.enqueue,
+                    self._serve_inline,
+                    self._queue.take_due,
+                    trusted,
                 )
             return self._hub.address, self._hub.authkey, list(self._layout.keys)
 

@@ -135,9 +135,14 @@ class ProcessHub:
         keys: the entries requests carry (the layout's keys), in slot order.
         make_request: ``make_request(cls, td, caller, interaction, **kwargs)``,
             the endpoint's validation (raises ``BadRequestError``).
-        enqueue: ``enqueue(request, may_serve) -> batch | None`` (admission
-            and queueing; may raise when the server is closed or full).
+        enqueue: ``enqueue(request, may_serve=, keeps_time=) -> batch | None``
+            (admission and queueing; may raise when the server is closed or
+            full).
         serve: runs a batch the queue handed this thread.
+        take_due: the queue's :meth:`~torchrl_batchserve.queue.RequestQueue.take_due`:
+            the hub keeps the timeout of the requests it queues (it sleeps
+            in ``epoll`` until the next message or the oldest request's
+            timeout), so their arrival wakes no other thread.
         trusted_slots: requests read from a slot skip validation (the slot's
             layout was validated when it was made); the server sets it when
             nothing needs the request's TensorDict (stacking collate, no
@@ -148,8 +153,9 @@ class ProcessHub:
         self,
         keys: Sequence[Any],
         make_request: Callable[..., Request],
-        enqueue: Callable[[Request, bool], Any],
+        enqueue: Callable[..., Any],
         serve: Callable[..., None],
+        take_due: Callable[[], Any],
         trusted_slots: bool = False,
     ) -> None:
         self._keys = list(keys)
@@ -157,6 +163,7 @@ class ProcessHub:
         self._make_request = make_request
         self._enqueue = enqueue
         self._serve = serve
+        self._take_due = take_due
         self._dir = tempfile.mkdtemp(prefix="torchrl_batchserve-")
         self.address = os.path.join(self._dir, "hub.sock")
         self.authkey = secrets.token_bytes(16)
@@ -197,6 +204,7 @@ class ProcessHub:
         torch.set_grad_enabled(False)
         selector = selectors.DefaultSelector()  # one epoll set for the hub's life, not one per wake
         selector.register(self._wake_r, selectors.EVENT_READ, None)
+        wait: float | None = None  # until the oldest queued request times out
         try:
             while True:
                 with self._lock:
@@ -206,7 +214,7 @@ class ProcessHub:
                         self._clients[client.ident] = client
                         selector.register(client.wire, selectors.EVENT_READ, client)
                     self._pending.clear()
-                for key, _ in selector.select():
+                for key, _ in selector.select(wait):
                     client = key.data
                     if client is None:
                         os.read(self._wake_r, 4096)
@@ -226,8 +234,17 @@ class ProcessHub:
                         _log.exception("bad message from worker client %d; dropping it", client.ident)
                         selector.unregister(client.wire)
                         self._drop(client)
+                wait = self._serve_due()
         finally:
             selector.close()
+
+    def _serve_due(self) -> float | None:
+        """Run the batches the timeout made due; the seconds until the next one, or ``None``."""
+        while True:
+            due = self._take_due()
+            if not isinstance(due, tuple):
+                return due
+            self._serve(*due)
 
     def _handle(self, client: _Client, message: tuple) -> None:
         _, rows, batch_shape, interaction, data = message
@@ -238,7 +255,7 @@ class ProcessHub:
                 self._offer_slot(client, request)
             else:  # the inputs are in the client's slot
                 request = self._from_slot(client, rows, batch_shape, mode)
-            batch = self._enqueue(request, True)
+            batch = self._enqueue(request, may_serve=True, keeps_time=True)
         except BatchServeError as err:
             client.send(("done", _portable(err), None, None))
             return

@@ -103,17 +103,19 @@ class LocalEndpoint:
             interaction = interaction_type()
         return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, **kwargs)
 
-    def enqueue(self, request: Request, may_serve: bool = False, solo_only: bool = False) -> Any:
+    def enqueue(
+        self, request: Request, may_serve: bool = False, solo_only: bool = False, keeps_time: bool = False
+    ) -> Any:
         """Admit (cache) and queue ``request``; a batch to run when ``may_serve`` and it fired.
 
-        ``solo_only``: see :meth:`RequestQueue.put`.
+        ``solo_only``, ``keeps_time``: see :meth:`RequestQueue.put`.
         """
         if self._admit is None:
-            return self.queue.put(request, may_serve, solo_only)
+            return self.queue.put(request, may_serve, solo_only, keeps_time)
         if not self._admit(request):
             return None
         try:
-            return self.queue.put(request, may_serve, solo_only)
+            return self.queue.put(request, may_serve, solo_only, keeps_time)
         except BaseException as err:
             self._abandon(request, err)  # type: ignore[misc]
             raise
