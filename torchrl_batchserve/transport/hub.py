@@ -142,7 +142,9 @@ class ProcessHub:
         take_due: the queue's :meth:`~torchrl_batchserve.queue.RequestQueue.take_due`:
             the hub keeps the timeout of the requests it queues (it sleeps
             in ``epoll`` until the next message or the oldest request's
-            timeout), so their arrival wakes no other thread.
+            timeout), so their arrival wakes no other thread. ``epoll``
+            counts in milliseconds, rounded up: a batch of worker requests
+            that fires on timeout does so up to 1 ms after it.
         trusted_slots: requests read from a slot skip validation (the slot's
             layout was validated when it was made); the server sets it when
             nothing needs the request's TensorDict (stacking collate, no
