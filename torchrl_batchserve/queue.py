@@ -125,8 +125,9 @@ class RequestQueue:
         running; it must then call :meth:`done_serving`. With ``solo_only``
         too, only when ``request`` alone makes the batch and its caller was
         the only caller of the last batch. With ``keeps_time``, the caller
-        calls :meth:`take_due` once :meth:`take_due` said the timeout is
-        due, so the worker is not woken to start the clock.
+        undertakes to call :meth:`take_due` again when the oldest request's
+        timeout is due (:meth:`take_due` says in how long), so the worker is
+        not woken to start the clock.
         """
         with self._cond:
             if self._closed:
