@@ -114,6 +114,42 @@ def test_pickled_copies_are_separate_clients():
     assert slot_mappings() == 0  # anonymous memory files: nothing named to leak, nothing left once unused
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
+def test_the_hub_hushes_a_client_before_its_reply_and_the_client_gets_its_policy_back(monkeypatch):
+    import torchrl_batchserve.transport.hub as hub_module
+    from torchrl_batchserve.wakeup import hush
+
+    hushed = []
+
+    def spy(tid):
+        done = hush(tid)
+        hushed.append((tid, os.sched_getscheduler(tid)))
+        return done
+
+    monkeypatch.setattr(hub_module, "hush", spy)
+    policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        client = pickle.loads(pickle.dumps(server.remote_policy()))  # a process client of this process
+        seen = {}
+
+        def call():
+            seen["tid"] = threading.get_native_id()
+            seen["td"] = client(TensorDict(observation=torch.ones(8)))
+            seen["after"] = os.sched_getscheduler(0)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        caller.join(timeout=30)
+        assert not caller.is_alive()
+        assert hushed == [(seen["tid"], os.SCHED_BATCH)] and seen["after"] == os.SCHED_OTHER
+        # An id that names no thread of the client's process is never hushed (e.g. one from another PID namespace).
+        (hub_client,) = server._hub._clients.values()
+        hub_client.waits_in(1)
+        assert hub_client.sleeper == 0
+        with torch.no_grad():
+            torch.testing.assert_close(seen["td"]["logits"], policy.module(torch.ones(8)))
+
+
 def test_the_hub_fires_timeouts_for_the_requests_it_queued():
     # Two clients are known; while one stays away, the other's requests can
     # only run on timeout, which the hub keeps (their arrival wakes nobody).

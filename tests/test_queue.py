@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from torchrl_batchserve.errors import QueueFullError, ServerBrokenError, ServerClosedError
@@ -171,6 +173,7 @@ def test_relay_wakes_one_caller_at_a_time_and_later_batches_join_the_running_cha
             self._lock = threading.Lock()
             self._lock.acquire()
             self.next = None
+            self.sleeper, self.hushed = 0, False
 
         def woken(self):
             return not self._lock.locked()
@@ -202,6 +205,7 @@ def test_relay_wait_idle_returns_once_the_chain_runs_out_or_after_its_timeout():
             self._lock = threading.Lock()
             self._lock.acquire()
             self.next = None
+            self.sleeper, self.hushed = 0, False
 
     relay = Relay()
     relay.wait_idle(30.0)  # no chain: returns at once
@@ -225,6 +229,70 @@ def test_relay_wait_idle_returns_once_the_chain_runs_out_or_after_its_timeout():
     started = time.monotonic()
     relay.wait_idle(0.05)
     assert time.monotonic() - started >= 0.04 and relay._idle_waiter is None
+
+
+needs_policies = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
+
+
+def _wake_through_relay(setup=None):
+    """A thread blocks in BlockingRequest.wait; the relay wakes it. Returns (policy when woken, policy after)."""
+    import threading
+    import time
+
+    import torch
+    from tensordict import TensorDict
+
+    from torchrl_batchserve.request import BlockingRequest, Relay
+
+    request = BlockingRequest(TensorDict(), (), 1, torch.Size([]), "caller", None, None)
+    seen = {}
+
+    class SpyLock:  # the request's lock; notes the sleeper's policy at the moment the relay releases it
+        def __init__(self, lock):
+            self.lock = lock
+
+        def acquire(self, *args, **kwargs):
+            return self.lock.acquire(*args, **kwargs)
+
+        def release(self):
+            seen["woken"] = os.sched_getscheduler(seen["tid"])
+            self.lock.release()
+
+    request._lock = SpyLock(request._lock)
+
+    def caller():
+        if setup is not None:
+            setup()
+        seen["tid"] = threading.get_native_id()
+        request.wait(lambda: True)
+        seen["after"] = os.sched_getscheduler(0)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while "tid" not in seen or (setup is None and not request.sleeper):
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.001)  # until the caller is about to sleep
+    request._store(["x"], [torch.ones(1)], None)
+    request.relay = Relay()
+    request.relay.start(request, request)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    return seen["woken"], seen["after"]
+
+
+@needs_policies
+def test_the_relay_wakes_a_caller_hushed_and_the_caller_gets_its_policy_back():
+    # Woken as SCHED_BATCH, it cannot preempt the thread that woke it (and
+    # holds the GIL it needs); awake, it runs its own code as SCHED_OTHER.
+    woken, after = _wake_through_relay()
+    assert (woken, after) == (os.SCHED_BATCH, os.SCHED_OTHER)
+
+
+@needs_policies
+def test_the_relay_leaves_a_thread_of_another_policy_alone():
+    woken, after = _wake_through_relay(setup=lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)))
+    assert (woken, after) == (os.SCHED_IDLE, os.SCHED_IDLE)
 
 
 def test_take_due_gives_the_batch_the_rule_fires_or_the_seconds_until_the_timeout():

@@ -29,6 +29,7 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType
 
 from torchrl_batchserve.errors import ServerBrokenError
+from torchrl_batchserve.wakeup import hush, sleeper_id, unhush
 
 __all__ = [
     "AsyncRequest",
@@ -146,7 +147,7 @@ class BlockingRequest(Request):
     releases the first, and each releases the next as it wakes.
     """
 
-    __slots__ = ("_lock", "next", "relay")
+    __slots__ = ("_lock", "hushed", "next", "relay", "sleeper")
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -154,6 +155,8 @@ class BlockingRequest(Request):
         self._lock.acquire()
         self.next: BlockingRequest | None = None
         self.relay: Relay | None = None
+        self.sleeper = 0  # the waiting thread's native id while the relay may hush it
+        self.hushed = False
 
     def _wake(self) -> None:
         self._lock.release()
@@ -164,11 +167,13 @@ class BlockingRequest(Request):
         The periodic check is a watchdog, not a poll: normal completion wakes
         the caller at once.
         """
-        while not self._lock.acquire(timeout=check_every):
-            if self.done:
-                break  # completed, but the relay stalled before us: go on
-            if not is_alive():
-                self.fail(ServerBrokenError("the serve loop stopped without answering"))
+        if not self._lock.acquire(blocking=False):
+            self.sleeper = sleeper_id()
+            while not self._lock.acquire(timeout=check_every):
+                if self.done:
+                    break  # completed, but the relay stalled before us: go on
+                if not is_alive():
+                    self.fail(ServerBrokenError("the serve loop stopped without answering"))
         if self.relay is not None:
             self.relay.pass_on(self)
         return self._result()
@@ -213,6 +218,7 @@ class Relay:
                 running.next = head
             else:
                 self._started, self._woken = time.perf_counter(), 0
+                head.hushed = hush(head.sleeper)
             self._tail = tail
         if running is None:
             head._lock.release()
@@ -221,9 +227,15 @@ class Relay:
         """``request``'s caller woke: wake the next one."""
         idle = None
         with self._lock:
+            if request.hushed:
+                request.hushed = False
+                unhush()
+            request.sleeper = 0
             follower = request.next
             request.next = None
             self._woken += 1
+            if follower is not None:
+                follower.hushed = hush(follower.sleeper)
             if follower is None and self._tail is request:
                 self._tail = None
                 self._last_per_wake = (time.perf_counter() - self._started) / self._woken

@@ -23,6 +23,7 @@ from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, Server
 from torchrl_batchserve.request import write_outputs
 from torchrl_batchserve.transport.slots import Slot
 from torchrl_batchserve.transport.wire import Wire, frame
+from torchrl_batchserve.wakeup import sleeper_id, unhush
 
 __all__ = ["ProcessClient"]
 
@@ -89,19 +90,24 @@ class ProcessClient:
                 payload = None
             else:
                 payload = td.select(*[k for k, v in zip(self.in_keys, inputs) if v is not None], strict=False)
+            sleeper = sleeper_id()  # the hub hushes this thread before it wakes it (wakeup.py)
             try:
                 if payload is None:  # a slot request: the same few bytes as last time, most often
-                    head = (rows, batch_shape, mode)
+                    head = (rows, batch_shape, mode, sleeper)
                     if head != self._last_head:
                         self._last_head = head
-                        self._last_frame = frame(("req", rows, batch_shape, _value(mode), None))
+                        self._last_frame = frame(("req", rows, batch_shape, _value(mode), sleeper, None))
                     conn.send_frame(self._last_frame)
                 else:
-                    conn.send(("req", rows, batch_shape, _value(mode), payload))
+                    conn.send(("req", rows, batch_shape, _value(mode), sleeper, payload))
             except OSError as err:
                 self._closed = True
                 raise ServerClosedError(f"the server is closed or gone ({err})") from err
-            return self._wait(conn, td, rows, batch_shape)
+            try:
+                return self._wait(conn, td, rows, batch_shape)
+            finally:
+                if sleeper:
+                    unhush()
 
     def _wait(self, conn: Wire, td: TensorDictBase, rows: int, batch_shape: tuple[int, ...]) -> TensorDictBase:
         while True:

@@ -19,7 +19,9 @@ Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`;
 tensors only in the first request of a layout, or when they do not fit the
 slot):
 
-* client -> hub: ``("req", rows, batch_shape, interaction, inputs | None)``
+* client -> hub: ``("req", rows, batch_shape, interaction, sleeper, inputs | None)``,
+  ``sleeper`` the waiting thread's id for :func:`~torchrl_batchserve.wakeup.hush`
+  (0: leave it alone)
 * hub -> client: ``("slot", "in" | "out", fields, capacity, size)`` with the
   slot's descriptor attached (``SCM_RIGHTS``); ``("done", error, outputs | None,
   keys)``; ``("closed",)``.
@@ -32,6 +34,8 @@ import os
 import pickle
 import secrets
 import selectors
+import socket
+import struct
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -46,6 +50,7 @@ from torchrl_batchserve.errors import BadRequestError, BatchServeError
 from torchrl_batchserve.request import Request
 from torchrl_batchserve.transport.slots import Slot
 from torchrl_batchserve.transport.wire import Wire, frame
+from torchrl_batchserve.wakeup import hush
 
 __all__ = ["ProcessHub", "ProcessRequest"]
 
@@ -78,12 +83,32 @@ class _Client:
         self.outputs: Slot | None = None
         self.varying = False
         self.alive = True
+        self.sleeper = 0  # the thread to hush before the next reply wakes it
+        self._pid = _peer_pid(self.wire.sock)
+        self._threads: dict[int, bool] = {}  # sleeper ids the client sent: whether they are its own threads
+
+    def waits_in(self, sleeper: int) -> None:
+        """The client's request came from thread ``sleeper`` (its native id, 0 for none)."""
+        if sleeper:
+            known = self._threads.get(sleeper)
+            if known is None:
+                # Only a thread of the process at the other end of the socket
+                # (an id from another PID namespace names someone else here).
+                known = self._threads[sleeper] = self._pid is not None and os.path.exists(
+                    f"/proc/{self._pid}/task/{sleeper}"
+                )
+            if not known:
+                sleeper = 0
+        self.sleeper = sleeper
 
     def send(self, message: Any, fd: int | None = None) -> None:
         """Send ``message`` (``None``: a plain "done"), with the descriptor ``fd`` if any (then closed here)."""
         with self.send_lock:
             if not self.alive:
                 return
+            if self.sleeper:
+                hush(self.sleeper)
+                self.sleeper = 0
             try:
                 self.wire.send_frame(_DONE if message is None else frame(message), fd)
             except OSError:
@@ -91,6 +116,15 @@ class _Client:
             finally:
                 if fd is not None:
                     os.close(fd)
+
+
+def _peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process at the other end of a Unix socket (Linux), else ``None``."""
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (AttributeError, OSError):
+        return None
+    return pid or None
 
 
 class ProcessRequest(Request):
@@ -249,8 +283,9 @@ class ProcessHub:
             self._serve(*due)
 
     def _handle(self, client: _Client, message: tuple) -> None:
-        _, rows, batch_shape, interaction, data = message
+        _, rows, batch_shape, interaction, sleeper, data = message
         mode = None if interaction is None else _MODES[interaction]
+        client.waits_in(sleeper)
         try:
             if data is not None:
                 request = self._make_request(ProcessRequest, data, client.caller, mode, client=client)

@@ -1,0 +1,73 @@
+"""Waking a caller without letting it preempt the thread that wakes it.
+
+When the serve loop (or a woken caller, passing the relay on; or the hub of
+worker processes, writing a reply) wakes a sleeping caller, Linux puts the
+woken thread on a CPU and, if that CPU is busy, lets it preempt the thread
+running there when it judges the sleeper more deserving, which a thread that
+slept for a whole batch usually is. On a small VM whose idle vCPUs halt, the
+kernel packs woken threads onto the busy vCPU, so the woken caller preempts
+the very thread that woke it. For an in-process caller this is pure loss: it
+needs the GIL that the waker still holds, so it runs a few microseconds,
+sleeps again on the GIL and switches back. For a worker process it breaks the
+hub's reply loop into one context switch pair per worker.
+
+A thread whose policy is ``SCHED_BATCH`` is never woken into preemption:
+per sched(7), that is the one way it differs from the default
+``SCHED_OTHER``; it shares the CPU by the same rules otherwise. So the waker *hushes* a sleeping caller just before it
+wakes it (:func:`hush`: ``SCHED_BATCH``, set while the caller sleeps, which
+costs nothing else: a thread that changes its own policy while it runs is
+rescheduled, and measured slower), and the caller, once awake, restores its
+own policy (:func:`unhush`). A caller runs under ``SCHED_OTHER`` whenever it
+runs its own code; only threads that were ``SCHED_OTHER`` when they began to
+wait are hushed (a thread the user gave another policy is left alone).
+
+Measured (vector payload, ``benchmarks/run.py``'s 64 actor threads on this
+2-vCPU VM): involuntary context switches 0.3 -> 0.03 per request, 38-41k
+-> 41-46k requests/s in alternating runs; worker processes: see
+``docs/design.md``. Not Linux (no ``SCHED_BATCH``), or not allowed (a
+seccomp filter): every function here does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+__all__ = ["hush", "sleeper_id", "unhush"]
+
+_BATCH: int | None = getattr(os, "SCHED_BATCH", None)
+_OTHER: int | None = getattr(os, "SCHED_OTHER", None)
+_NO_PRIORITY = os.sched_param(0) if _BATCH is not None else None
+
+
+def sleeper_id() -> int:
+    """The calling thread's native id if a waker may hush it, else 0.
+
+    Call it right before sleeping: it checks the thread's policy each time,
+    so a policy the user sets between two requests is respected.
+    """
+    if _BATCH is None:
+        return 0
+    try:
+        return threading.get_native_id() if os.sched_getscheduler(0) == _OTHER else 0
+    except OSError:
+        return 0
+
+
+def hush(tid: int) -> bool:
+    """Make the sleeping thread ``tid`` (from :func:`sleeper_id`) ``SCHED_BATCH``; whether it was."""
+    if not tid:
+        return False
+    try:
+        os.sched_setscheduler(tid, _BATCH, _NO_PRIORITY)  # type: ignore[arg-type]
+    except OSError:  # gone, or not ours to change
+        return False
+    return True
+
+
+def unhush() -> None:
+    """Give the calling thread, hushed while it slept, its ``SCHED_OTHER`` back."""
+    try:
+        os.sched_setscheduler(0, _OTHER, _NO_PRIORITY)  # type: ignore[arg-type]
+    except OSError:
+        pass
