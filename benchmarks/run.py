@@ -401,11 +401,11 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, plot
         lines += ["", f"![throughput vs actors]({plot.name})"]
     lines += [
         "",
-        "Why actor threads gain less than asyncio tasks: each blocking thread must be woken by a futex call with the "
-        "GIL held, and on a small VM each wake-up crosses to an idle vCPU (10-25 us; a woken thread that finds the "
-        'GIL taken sleeps again); see `docs/design.md`, "What still limits many threads". Thread figures move by '
-        "+-20% between runs of this machine; the ratios, taken within a repeat, move less. The floor is far above "
-        "both servers for the vector payload: the per-request cost is the server, not the forward.",
+        "Why actor threads gain less than asyncio tasks: the tasks of one event loop are woken once per batch, "
+        "while each blocking thread is woken on its own, one after another under the GIL (a context switch and the "
+        'caller\'s own Python, ~13 us a step here); see `docs/design.md`, "What still limits many threads". Thread '
+        "figures move by +-20% between runs of this machine; the ratios, taken within a repeat, move less. The floor "
+        "is far above both servers for the vector payload: the per-request cost is the server, not the forward.",
     ]
     save_report(
         lines, args, "benchmarks", "run.py", "`make bench` (or `python benchmarks/run.py [--quick] [--repeats N]`)."

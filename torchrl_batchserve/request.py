@@ -155,8 +155,8 @@ class BlockingRequest(Request):
         self._lock.acquire()
         self.next: BlockingRequest | None = None
         self.relay: Relay | None = None
-        self.sleeper = 0  # the waiting thread's native id while the relay may hush it
-        self.hushed = False
+        self.sleeper = 0  # the waiting thread's id for wakeup.hush, while the relay may still wake it
+        self.hushed = False  # whether the relay hushed it (the caller then unhushes itself)
 
     def _wake(self) -> None:
         self._lock.release()
@@ -198,6 +198,10 @@ class Relay:
     it takes its next batch (vector payload, 256 threads: 27k -> 34k
     requests/s); a longer forward (a conv net on pixels) overlaps the chain,
     which then costs it little.
+
+    Each caller is hushed just before it is woken and gets its policy back
+    once awake (:mod:`torchrl_batchserve.wakeup`), so that it cannot preempt
+    the thread that woke it, whose GIL it needs.
     """
 
     __slots__ = ("_idle_waiter", "_last_per_wake", "_lock", "_started", "_tail", "_woken")
