@@ -295,6 +295,47 @@ def test_the_relay_leaves_a_thread_of_another_policy_alone():
     assert (woken, after) == (os.SCHED_IDLE, os.SCHED_IDLE)
 
 
+@needs_policies
+def test_a_caller_interrupted_after_it_was_hushed_leaves_with_its_own_policy():
+    import threading
+
+    import torch
+    from tensordict import TensorDict
+
+    from torchrl_batchserve.request import BlockingRequest, Relay
+    from torchrl_batchserve.wakeup import hush
+
+    request = BlockingRequest(TensorDict(), (), 1, torch.Size([]), "caller", None, None)
+    request.relay = Relay()
+    hushed, seen = threading.Event(), {}
+
+    class Interrupted:  # a lock whose timed wait ends in an exception once the caller is hushed
+        def acquire(self, blocking=True, timeout=-1):
+            if not blocking:
+                return False
+            hushed.wait(10)
+            raise KeyboardInterrupt
+
+    request._lock = Interrupted()
+
+    def caller():
+        try:
+            request.wait(lambda: True)
+        except KeyboardInterrupt:
+            seen["after"] = os.sched_getscheduler(0)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    while not request.sleeper and thread.is_alive():
+        threading.Event().wait(0.001)  # until the caller is about to sleep
+    with request.relay._lock:  # what the relay does just before it would wake the caller
+        request.hushed = hush(request.sleeper)
+    assert request.hushed and os.sched_getscheduler(request.sleeper) == os.SCHED_BATCH
+    hushed.set()
+    thread.join(timeout=10)
+    assert seen == {"after": os.SCHED_OTHER}
+
+
 def test_take_due_gives_the_batch_the_rule_fires_or_the_seconds_until_the_timeout():
     import time
 

@@ -169,11 +169,18 @@ class BlockingRequest(Request):
         """
         if not self._lock.acquire(blocking=False):
             self.sleeper = sleeper_id()
-            while not self._lock.acquire(timeout=check_every):
-                if self.done:
-                    break  # completed, but the relay stalled before us: go on
-                if not is_alive():
-                    self.fail(ServerBrokenError("the serve loop stopped without answering"))
+            try:
+                while not self._lock.acquire(timeout=check_every):
+                    if self.done:
+                        break  # completed, but the relay stalled before us: go on
+                    if not is_alive():
+                        self.fail(ServerBrokenError("the serve loop stopped without answering"))
+            except BaseException:  # interrupted while waiting: leave with this thread's own policy
+                self.sleeper = 0  # first: a relay that reads it from now on hushes nobody
+                relay = self.relay
+                if relay is not None:
+                    relay.awake(self)
+                raise
         if self.relay is not None:
             self.relay.pass_on(self)
         return self._result()
@@ -227,14 +234,22 @@ class Relay:
         if running is None:
             head._lock.release()
 
+    def awake(self, request: BlockingRequest) -> None:
+        """``request``'s caller is awake: it may no longer be hushed, and gets its policy back if it was."""
+        with self._lock:
+            self._awake(request)
+
+    def _awake(self, request: BlockingRequest) -> None:
+        request.sleeper = 0
+        if request.hushed:
+            request.hushed = False
+            unhush()
+
     def pass_on(self, request: BlockingRequest) -> None:
         """``request``'s caller woke: wake the next one."""
         idle = None
         with self._lock:
-            if request.hushed:
-                request.hushed = False
-                unhush()
-            request.sleeper = 0
+            self._awake(request)
             follower = request.next
             request.next = None
             self._woken += 1
