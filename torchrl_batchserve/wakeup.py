@@ -11,13 +11,14 @@ needs the GIL that the waker still holds, so it runs a few microseconds,
 sleeps again on the GIL and switches back. For a worker process it breaks the
 hub's reply loop into one context switch pair per worker.
 
-A thread whose policy is ``SCHED_BATCH`` is never woken into preemption:
-per sched(7), that is the one way it differs from the default
-``SCHED_OTHER``; it shares the CPU by the same rules otherwise. So the waker *hushes* a sleeping caller just before it
-wakes it (:func:`hush`: ``SCHED_BATCH``, set while the caller sleeps, which
-costs nothing else: a thread that changes its own policy while it runs is
-rescheduled, and measured slower), and the caller, once awake, restores its
-own policy (:func:`unhush`). A caller runs under ``SCHED_OTHER`` whenever it
+Per sched(7), ``SCHED_BATCH`` differs from the default ``SCHED_OTHER`` only
+in its wake-ups, which are "mildly disfavored": in Linux's fair scheduler a
+woken ``SCHED_BATCH`` thread never preempts the running one. So the waker
+*hushes* a sleeping caller just before it wakes it (:func:`hush`:
+``SCHED_BATCH``, set while the caller sleeps, which costs nothing else: a
+thread that changes its own policy while it runs is rescheduled, and
+measured slower), and the caller, once awake, restores its own policy
+(:func:`unhush`). A caller runs under ``SCHED_OTHER`` whenever it
 runs its own code; only threads that were ``SCHED_OTHER`` when they began to
 wait are hushed (a thread the user gave another policy is left alone).
 

@@ -85,21 +85,16 @@ class _Client:
         self.alive = True
         self.sleeper = 0  # the thread to hush before the next reply wakes it
         self._pid = _peer_pid(self.wire.sock)
-        self._threads: dict[int, bool] = {}  # sleeper ids the client sent: whether they are its own threads
+        self._checked = (0, False)  # the last sleeper id the client sent, and whether it is one of its threads
 
     def waits_in(self, sleeper: int) -> None:
         """The client's request came from thread ``sleeper`` (its native id, 0 for none)."""
-        if sleeper:
-            known = self._threads.get(sleeper)
-            if known is None:
-                # Only a thread of the process at the other end of the socket
-                # (an id from another PID namespace names someone else here).
-                known = self._threads[sleeper] = self._pid is not None and os.path.exists(
-                    f"/proc/{self._pid}/task/{sleeper}"
-                )
-            if not known:
-                sleeper = 0
-        self.sleeper = sleeper
+        if sleeper and self._checked[0] != sleeper:
+            # Only a thread of the process at the other end of the socket (an
+            # id from another PID namespace would name someone else here).
+            own = self._pid is not None and os.path.exists(f"/proc/{self._pid}/task/{sleeper}")
+            self._checked = (sleeper, own)
+        self.sleeper = sleeper if sleeper and self._checked[1] else 0
 
     def send(self, message: Any, fd: int | None = None) -> None:
         """Send ``message`` (``None``: a plain "done"), with the descriptor ``fd`` if any (then closed here)."""
