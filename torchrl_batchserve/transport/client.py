@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Client
 from typing import Any
 
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, ServerClosedError
@@ -46,6 +46,7 @@ class ProcessClient:
         self.address = address
         self.authkey = authkey
         self.in_keys = list(in_keys)
+        self._str_keys = all(type(k) is str for k in self.in_keys)
         self._lock = threading.Lock()
         self._conn: Wire | None = None
         self._pid = os.getpid()
@@ -83,7 +84,10 @@ class ProcessClient:
             for d in batch_shape:
                 rows *= d
             mode = interaction_type()
-            inputs = [td.get(key, None) for key in self.in_keys]
+            if type(td) is TensorDict and self._str_keys:  # the plain case: skip get()'s general path
+                inputs = [td._get_str(key, None) for key in self.in_keys]
+            else:
+                inputs = [td.get(key, None) for key in self.in_keys]
             slot = self._inputs
             if slot is not None and slot.fits(inputs, rows, len(batch_shape)):
                 slot.write(inputs, rows, batch_shape)
