@@ -25,7 +25,16 @@ import time
 from typing import Any
 
 import torch
-from run import _pct, common_parser, make_payload, one_intraop_thread, provenance, save_report
+from run import (
+    ONE_INTRAOP_THREAD,
+    STEADY_MALLOC,
+    _pct,
+    common_parser,
+    make_payload,
+    provenance,
+    restart_with,
+    save_report,
+)
 from torchrl.modules.inference_server import InferenceServer, ProcessSlotTransport
 
 from torchrl_batchserve import BatchedPolicyServer
@@ -144,7 +153,8 @@ def write_report(rows: list[dict], args: Any) -> None:
         "",
         f"Spawned workers, one call at a time each; both servers in the parent with "
         f"`max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`; medians of {args.repeats} repeat(s), "
-        "ratios within a repeat. Payloads and one intra-op thread in every thread as in `docs/benchmarks.md`. "
+        "ratios within a repeat. Payloads, one intra-op thread in every thread and glibc malloc settings as in "
+        "`docs/benchmarks.md`. "
         "CPU per request: the server's process (all its threads) and the workers' timed loops, over all requests.",
         "",
         "| payload | worker processes | ours req/s | TorchRL req/s | x TorchRL | ours p50/p99 ms "
@@ -164,5 +174,5 @@ def write_report(rows: list[dict], args: Any) -> None:
 
 
 if __name__ == "__main__":
-    one_intraop_thread()
+    restart_with({**ONE_INTRAOP_THREAD, **STEADY_MALLOC})
     main()

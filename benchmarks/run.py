@@ -367,7 +367,9 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, plot
         f"Both servers: `max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`. "
         f"Medians of {args.repeats} repeat(s); ratios are taken within a repeat. "
         "One intra-op thread in every thread (`torch.set_num_threads(1)`, `OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`); "
-        "each measurement starts after `gc.collect()`.",
+        "glibc malloc with fixed thresholds (`MALLOC_MMAP_THRESHOLD_=64MiB`, `MALLOC_TRIM_THRESHOLD_=256MiB`: "
+        "without them, pixel batches fault their freed activations back in, in some runs and not others; "
+        'see `docs/guide.md`, "Large observations"); each measurement starts after `gc.collect()`.',
         "Payloads: `vector` = 64 floats into an MLP 64-256-256-8; `pixels` = 4x84x84 uint8 into a small conv net.",
         "`floor` = the policy's own batched forward at min(actors, max_batch_size) rows, no server; "
         "`naive` = every actor calls the shared policy itself.",
@@ -453,17 +455,24 @@ def make_plot(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-def one_intraop_thread() -> None:
-    """Restart this script, if needed, so that every thread has one intra-op thread.
+# torch applies ``torch.set_num_threads(1)`` to a thread only once that thread
+# asks torch for its thread count. A thread that never does (TorchRL's server
+# thread, the naive baseline's actors) runs MKL's matrix products on an OpenMP
+# team of one thread per core, which here means two cores for one system and
+# one for the other. OpenMP reads these when torch loads.
+ONE_INTRAOP_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
-    The benchmarks call ``torch.set_num_threads(1)``, but torch applies it to a
-    thread only once that thread asks torch for its thread count. A thread that
-    never does (TorchRL's server thread, the naive baseline's actors) runs
-    MKL's matrix products on an OpenMP team of one thread per core, which here
-    means two cores for one system and one for the other. OpenMP reads
-    ``OMP_NUM_THREADS`` when torch loads, hence the restart.
-    """
-    wanted = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# glibc's malloc gives large blocks back to the OS when they are freed (munmap,
+# or trimming a thread's heap), depending on thresholds it adapts as it goes.
+# A pixel forward frees ~15 MB of activations a batch; in a run where they go
+# back, the next batch faults ~4000 pages in again (+50% CPU per request, in
+# some measurements and not others). Fixed thresholds keep them. glibc reads
+# these at start-up; both systems run under them.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+
+
+def restart_with(wanted: dict[str, str]) -> None:
+    """Restart this script with ``wanted`` in its environment, unless it is there already."""
     if all(os.environ.get(k) == v for k, v in wanted.items()):
         return
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
@@ -519,5 +528,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    one_intraop_thread()
+    restart_with({**ONE_INTRAOP_THREAD, **STEADY_MALLOC})
     main()

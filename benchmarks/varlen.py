@@ -24,7 +24,7 @@ import statistics
 from typing import Any
 
 import torch
-from run import _pct, common_parser, drive_threads, one_intraop_thread, provenance, save_report
+from run import ONE_INTRAOP_THREAD, _pct, common_parser, drive_threads, provenance, restart_with, save_report
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 from torch import nn
@@ -212,5 +212,5 @@ def write_report(rows: list[dict], args: Any) -> None:
 
 
 if __name__ == "__main__":
-    one_intraop_thread()
+    restart_with(ONE_INTRAOP_THREAD)
     main()

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 import torch
-from run import common_parser, one_intraop_thread, provenance, save_report
+from run import ONE_INTRAOP_THREAD, common_parser, provenance, restart_with, save_report
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.modules.inference_server import InferenceServer, ThreadingTransport
@@ -173,5 +173,5 @@ def write_report(rows: list[dict], args: Any) -> None:
 
 
 if __name__ == "__main__":
-    one_intraop_thread()
+    restart_with(ONE_INTRAOP_THREAD)
     main()
