@@ -163,20 +163,24 @@ def test_a_served_caller_with_another_request_queued_is_not_idle():
     assert q.take_batch()[1] in (FireReason.FULL, FireReason.ALL_WAITING)
 
 
+class Waiter:
+    """What Relay needs of a BlockingRequest: a held lock, a ``next`` link, no thread to hush."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self.next = None
+        self.sleeper, self.hushed = 0, False
+
+    def woken(self):
+        return not self._lock.locked()
+
+
 def test_relay_wakes_one_caller_at_a_time_and_later_batches_join_the_running_chain():
-    import threading
 
     from torchrl_batchserve.request import Relay
-
-    class Waiter:  # what Relay needs of a BlockingRequest
-        def __init__(self):
-            self._lock = threading.Lock()
-            self._lock.acquire()
-            self.next = None
-            self.sleeper, self.hushed = 0, False
-
-        def woken(self):
-            return not self._lock.locked()
 
     a, b, c, d = Waiter(), Waiter(), Waiter(), Waiter()
     a.next = b
@@ -199,13 +203,6 @@ def test_relay_wait_idle_returns_once_the_chain_runs_out_or_after_its_timeout():
     import time
 
     from torchrl_batchserve.request import Relay
-
-    class Waiter:
-        def __init__(self):
-            self._lock = threading.Lock()
-            self._lock.acquire()
-            self.next = None
-            self.sleeper, self.hushed = 0, False
 
     relay = Relay()
     relay.wait_idle(30.0)  # no chain: returns at once

@@ -177,12 +177,11 @@ class RequestQueue:
         with self._cond:
             while True:
                 if self._items and not self._serving:
-                    reason = self._rule()
-                    if not isinstance(reason, FireReason):
-                        self._cond.wait(reason)
-                        continue
-                    self._serving = True
-                    return self._pop(), reason
+                    taken = self._take()
+                    if isinstance(taken, tuple):
+                        return taken
+                    self._cond.wait(taken)
+                    continue
                 if self._closed and not self._items and not self._serving:
                     return None
                 self._cond.wait()
@@ -196,17 +195,21 @@ class RequestQueue:
         with self._cond:
             if not self._items or self._serving:
                 return None
-            reason = self._rule()
-            if not isinstance(reason, FireReason):
-                return reason
-            self._serving = True
-            return self._pop(), reason
+            return self._take()
 
-    def _rule(self) -> FireReason | float:
-        """Why the queued requests run now, or the seconds until they time out.
+    def _take(self) -> tuple[list[Request], FireReason] | float:
+        """The batch and why, taking the serving token, if the rule fires; else the seconds until it may.
 
         Called with the lock held, requests queued and no batch running.
         """
+        reason = self._rule()
+        if not isinstance(reason, FireReason):
+            return reason
+        self._serving = True
+        return self._pop(), reason
+
+    def _rule(self) -> FireReason | float:
+        """Why the queued requests run now, or the seconds until they time out (see :meth:`_take`)."""
         if self._full():
             return FireReason.FULL
         if self._closed:
