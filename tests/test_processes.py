@@ -6,6 +6,7 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import threading
 import time
 
@@ -44,13 +45,29 @@ def wait_for(condition, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def report(results, processes: list, timeout: float = 100.0):
+    """The next report on ``results``; fails at once if one of ``processes`` died without reporting.
+
+    A worker that raises exits non-zero and never reports: without the
+    check, the test would wait out its whole timeout and say nothing of why.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            dead = {p.pid: p.exitcode for p in processes if p.exitcode not in (None, 0)}
+            assert not dead, f"worker processes exited without reporting (pid: exit code): {dead}"
+            assert time.monotonic() < deadline, f"no report within {timeout} s"
+
+
 def run_workers(ctx, target, args_per_worker: list[tuple]) -> list:
     """Start one ``ctx`` process per argument tuple (``results`` queue appended); collect one report each."""
     results = ctx.Queue()
     workers = [ctx.Process(target=target, args=(*args, results)) for args in args_per_worker]
     for w in workers:
         w.start()
-    outs = [results.get(timeout=120) for _ in workers]
+    outs = [report(results, workers) for _ in workers]
     for w in workers:
         w.join(30)
     return outs
@@ -201,7 +218,7 @@ def test_closing_the_server_fails_waiting_workers_promptly():
     wait_for(lambda: server.statistics().requests == 0 and server._queue._items, "the worker's request to queue")
     t = time.monotonic()
     server.close(wait=False, cancel_pending=True)
-    kind, message = results.get(timeout=30)
+    kind, message = report(results, [worker], timeout=30)
     assert kind == "ServerClosedError" and "closed" in message and time.monotonic() - t < 10
     gated.gate.set()
     local.result(10)
@@ -216,7 +233,7 @@ def test_workers_waiting_on_a_dead_server_process_get_broken_error():
     pickled, entered = SPAWN.Queue(), SPAWN.Event()
     host = SPAWN.Process(target=pw.serve_then_hang, args=(pickled, entered))
     host.start()
-    remote = pickle.loads(pickled.get(timeout=120))
+    remote = pickle.loads(report(pickled, [host]))
     outcome: list = []
 
     def call() -> None:
@@ -242,7 +259,7 @@ def test_workers_carry_their_interaction_type():
         results = SPAWN.Queue()
         worker = SPAWN.Process(target=pw.interaction_of_requests, args=(server.remote_policy(), results))
         worker.start()
-        assert results.get(timeout=120) == [1, 2]
+        assert report(results, [worker]) == [1, 2]
         worker.join(30)
 
 
@@ -340,7 +357,7 @@ def test_trainer_pushes_versions_to_two_server_processes_over_a_dedicated_group(
         for event in reached:
             assert event.wait(60)  # every server served the last version
         stop.set()
-        outs = sorted(results.get(timeout=60) for _ in servers)
+        outs = sorted(report(results, servers, timeout=60) for _ in servers)
     finally:
         stop.set()
         trainer.close()
