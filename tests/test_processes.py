@@ -114,6 +114,21 @@ def test_remote_policy_survives_every_start_method(method):
         check_results(net, out)
 
 
+def test_a_connected_client_inherited_by_fork_connects_anew_in_the_child():
+    net = pw.make_net()
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, timeout=0.01) as server:
+        client = pickle.loads(pickle.dumps(server.remote_policy()))
+        client(TensorDict(observation=torch.zeros(8)))  # connected, its slots mapped
+        outs = run_workers(mp.get_context("fork"), pw.random_requests, [(client, 0, 10)])
+        mine = client(TensorDict(observation=torch.ones(8)))  # the parent's connection still answers the parent
+        stats = server.statistics()
+    check_results(net, outs[0][2])
+    assert outs[0][1] != os.getpid() and stats.requests == 12
+    with torch.no_grad():
+        torch.testing.assert_close(mine["logits"], net(torch.ones(8)))
+
+
 def test_pickled_copies_are_separate_clients():
     policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy) as server:

@@ -32,6 +32,7 @@ from torchrl_batchserve import (
     ServerStatistics,
     WeightSyncError,
 )
+from torchrl_batchserve.transport.caller import current_interaction
 
 
 def obs(*batch, n=8):
@@ -458,6 +459,13 @@ def test_each_request_runs_under_its_callers_interaction_type():
             det = remote.submit(obs()).result(10)
         assert int(random_td["seen"]) == list(InteractionType).index(InteractionType.RANDOM)
         assert int(det["seen"]) == list(InteractionType).index(InteractionType.DETERMINISTIC)
+
+
+def test_requests_read_the_interaction_type_tensordict_reports():
+    assert current_interaction() is interaction_type()
+    for mode in InteractionType:
+        with set_interaction_type(mode):
+            assert current_interaction() is interaction_type() is mode
 
 
 def test_statistics_is_a_frozen_snapshot(policy):

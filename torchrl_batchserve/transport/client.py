@@ -10,17 +10,16 @@ server's process is gone; nothing waits forever.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Client
 from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, ServerClosedError
 from torchrl_batchserve.request import write_outputs
+from torchrl_batchserve.transport.caller import current_interaction, forks
 from torchrl_batchserve.transport.slots import Slot
 from torchrl_batchserve.transport.wire import Wire, frame
 from torchrl_batchserve.wakeup import sleeper_id, unhush
@@ -49,7 +48,7 @@ class ProcessClient:
         self._str_keys = all(type(k) is str for k in self.in_keys)
         self._lock = threading.Lock()
         self._conn: Wire | None = None
-        self._pid = os.getpid()
+        self._forks = forks()
         self._inputs: Slot | None = None
         self._outputs: Slot | None = None
         self._closed = False
@@ -61,8 +60,8 @@ class ProcessClient:
         return self.address, self.authkey, self.in_keys
 
     def _connection(self) -> Wire:
-        if self._pid != os.getpid():  # forked with a connection: start afresh
-            self._pid, self._conn, self._inputs, self._outputs = os.getpid(), None, None, None
+        if self._forks != forks():  # forked with a connection: start afresh
+            self._forks, self._conn, self._inputs, self._outputs = forks(), None, None, None
         if self._closed:
             raise ServerClosedError("the server is closed and accepts no more requests")
         if self._conn is None:
@@ -83,7 +82,7 @@ class ProcessClient:
             rows = 1
             for d in batch_shape:
                 rows *= d
-            mode = interaction_type()
+            mode = current_interaction()
             if type(td) is TensorDict and self._str_keys:  # the plain case: skip get()'s general path
                 inputs = [td._get_str(key, None) for key in self.in_keys]
             else:

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from tensordict import TensorDictBase
-from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.errors import BadRequestError, ServerBrokenError
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.request import AsyncRequest, BlockingRequest, FutureRequest, Request
+from torchrl_batchserve.transport.caller import current_interaction, forks
 
 __all__ = ["LocalEndpoint"]
 
@@ -67,7 +66,7 @@ class LocalEndpoint:
         self._admit = admit
         self._abandon = abandon
         self._process_address = process_address
-        self._pid = os.getpid()
+        self._forks = forks()
         self._address: tuple[str, bytes, list] | None = None
         self._forked: Any = None
 
@@ -81,12 +80,12 @@ class LocalEndpoint:
 
     def _other_process(self) -> Any:
         """The client to use in a process forked after this endpoint was made."""
-        if self._forked is None or self._forked[0] != os.getpid():
+        if self._forked is None or self._forked[0] != forks():
             from torchrl_batchserve.transport.client import ProcessClient
 
             if self._address is None:
                 raise ServerBrokenError("forked before the server could serve other processes (it was not running)")
-            self._forked = (os.getpid(), ProcessClient(*self._address))
+            self._forked = (forks(), ProcessClient(*self._address))
         return self._forked[1]
 
     def make_request(
@@ -100,7 +99,7 @@ class LocalEndpoint:
             self._on_reject()
             raise
         if interaction is _HERE:
-            interaction = interaction_type()
+            interaction = current_interaction()
         return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, **kwargs)
 
     def enqueue(
@@ -122,7 +121,7 @@ class LocalEndpoint:
 
     def call(self, td: TensorDictBase) -> TensorDictBase:
         """Serve ``td`` and block until its outputs are written into it."""
-        if os.getpid() != self._pid:
+        if forks() != self._forks:
             return self._other_process().call(td)
         request: BlockingRequest = self.make_request(BlockingRequest, td, threading.get_ident())
         # A caller that runs by itself serves its own batch (no wake-up at
@@ -134,7 +133,7 @@ class LocalEndpoint:
 
     def submit(self, td: TensorDictBase) -> Future[TensorDictBase]:
         """Enqueue ``td``; the Future resolves to ``td`` with its outputs written."""
-        if os.getpid() != self._pid:
+        if forks() != self._forks:
             return self._other_process().submit(td)
         request: FutureRequest = self.make_request(FutureRequest, td, threading.get_ident())
         self.enqueue(request)
@@ -142,7 +141,7 @@ class LocalEndpoint:
 
     async def acall(self, td: TensorDictBase) -> TensorDictBase:
         """Serve ``td`` from a coroutine, batched with every other task and thread."""
-        if os.getpid() != self._pid:
+        if forks() != self._forks:
             return await self._other_process().acall(td)
         loop = asyncio.get_running_loop()
         request: AsyncRequest = self.make_request(AsyncRequest, td, asyncio.current_task(), loop=loop)
