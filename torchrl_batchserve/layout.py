@@ -160,7 +160,10 @@ class Layout:
     def check(self, td: Any) -> Validated:
         """Validate ``td`` and return its inputs; raise :class:`BadRequestError`."""
         plain = self._plain
-        if plain is not None and type(td) is TensorDict and not td.batch_size:
+        # The common request, a plain TensorDict of one row, is read through
+        # its attributes (each public property is one more Python call) and
+        # answered with a tuple made in C (a namedtuple's __new__ is Python).
+        if plain is not None and type(td) is TensorDict and not td._batch_size:
             values = []
             device = None
             for key, dtype, shape, device in plain:
@@ -174,8 +177,10 @@ class Layout:
                     break
                 values.append(value)
             else:
-                td_device = td.device
-                return Validated(tuple(values), 1, td.batch_size, device if td_device is None else td_device)
+                td_device = td._device
+                return tuple.__new__(
+                    Validated, (tuple(values), 1, td._batch_size, device if td_device is None else td_device, 0)
+                )
         if not isinstance(td, TensorDictBase):
             raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
         batch_shape = td.batch_size

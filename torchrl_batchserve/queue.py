@@ -100,7 +100,8 @@ class RequestQueue:
         self._max_batch_cost = math.inf if max_batch_cost is None else max_batch_cost
         self._timeout = timeout
         self._max_queue_size = max_queue_size
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._items: deque[Request] = deque()
         self._rows = 0
         self._cost = 0
@@ -129,7 +130,7 @@ class RequestQueue:
         timeout is due (:meth:`take_due` says in how long), so the worker is
         not woken to start the clock.
         """
-        with self._cond:
+        with self._lock:  # the bare lock: a Condition's `with` is Python code, and put runs per request
             if self._closed:
                 raise self._closed_error()
             if self._max_queue_size is not None and self._rows + request.rows > self._max_queue_size:

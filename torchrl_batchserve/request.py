@@ -422,8 +422,8 @@ def write_outputs(td: TensorDictBase, keys: Sequence[Any], values: Sequence[Any]
     (ten times cheaper than ``td.set``); any other TensorDict type, or a value
     on another device, goes through the public, validating ``set``.
     """
-    if type(td) is TensorDict and not td.is_locked:
-        device = td.device
+    if type(td) is TensorDict and not td._is_locked:
+        device = td._device
         for key, value in zip(keys, values):
             if isinstance(value, torch.Tensor) and (device is None or value.device == device):
                 if type(key) is str:
