@@ -230,7 +230,7 @@ class RequestQueue:
             served = set(callers)
             self._solo = next(iter(served)) if len(served) == 1 else None
             queued = self._queued_by_caller
-            self._idle.update(c for c in served if c not in queued)
+            self._idle.update(served.difference(queued))  # served callers with nothing queued
             if self._items or self._closed:
                 self._cond.notify()
 
