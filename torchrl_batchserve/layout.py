@@ -27,7 +27,7 @@ from tensordict import TensorDict, TensorDictBase, is_non_tensor
 
 from torchrl_batchserve.errors import BadRequestError
 
-__all__ = ["KeySpec", "Layout", "Validated"]
+__all__ = ["KeySpec", "Layout", "Validated", "entry"]
 
 
 Fields = tuple[tuple[tuple[str, ...], Any, Any], ...]  # (leaf path, dtype, feature shape)
@@ -79,7 +79,8 @@ class Validated(NamedTuple):
     cost: int = 0
 
 
-def _get(td: TensorDictBase, key: Any) -> Any:
+def entry(td: TensorDictBase, key: Any) -> Any:
+    """``td.get(key, None)``; for a plain TensorDict and a string key, without ``get``'s key parsing."""
     if type(key) is str and type(td) is TensorDict:
         return td._get_str(key, None)
     return td.get(key, None)
@@ -187,7 +188,7 @@ class Layout:
         batch_dims = len(batch_shape)
         values = []
         for key in self.keys:
-            value = _get(td, key)
+            value = entry(td, key)
             if value is None:
                 raise BadRequestError(
                     f"key {key!r}: missing; the policy reads {list(self.keys)}, "

@@ -468,7 +468,7 @@ class BatchedPolicyServer(TensorDictModule):
             live = self._claim(requests)
             self._apply_weights()
             for group in self._groups(live):
-                rows = sum([r.rows for r in group])
+                rows = sum(r.rows for r in group)
                 now, start = time.monotonic(), time.perf_counter()
                 try:
                     columns = self._run(group, rows)
@@ -492,7 +492,7 @@ class BatchedPolicyServer(TensorDictModule):
         # Mark the callers idle before waking them (the rule counts on it).
         callers = [r.caller for r in requests]
         for group, _, _ in followers:
-            callers.extend([r.caller for r in group])
+            callers.extend(r.caller for r in group)
         self._queue.done_serving(callers)
         for group, columns, error in outcomes + followers:
             if error is None:

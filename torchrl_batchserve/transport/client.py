@@ -15,9 +15,10 @@ from concurrent.futures import Future
 from multiprocessing.connection import Client
 from typing import Any
 
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, ServerClosedError
+from torchrl_batchserve.layout import entry
 from torchrl_batchserve.request import write_outputs
 from torchrl_batchserve.transport.caller import current_interaction, forks
 from torchrl_batchserve.transport.slots import Slot
@@ -45,7 +46,6 @@ class ProcessClient:
         self.address = address
         self.authkey = authkey
         self.in_keys = list(in_keys)
-        self._str_keys = all(type(k) is str for k in self.in_keys)
         self._lock = threading.Lock()
         self._conn: Wire | None = None
         self._forks = forks()
@@ -83,10 +83,7 @@ class ProcessClient:
             for d in batch_shape:
                 rows *= d
             mode = current_interaction()
-            if type(td) is TensorDict and self._str_keys:  # the plain case: skip get()'s general path
-                inputs = [td._get_str(key, None) for key in self.in_keys]
-            else:
-                inputs = [td.get(key, None) for key in self.in_keys]
+            inputs = [entry(td, key) for key in self.in_keys]
             slot = self._inputs
             if slot is not None and slot.fits(inputs, rows, len(batch_shape)):
                 slot.write(inputs, rows, batch_shape)
