@@ -172,7 +172,7 @@ class Waiter:
         self._lock = threading.Lock()
         self._lock.acquire()
         self.next = None
-        self.sleeper, self.hushed = 0, False
+        self.sleeper, self.hushed = 0, 0
 
     def woken(self):
         return not self._lock.locked()
@@ -293,6 +293,55 @@ def test_the_relay_leaves_a_thread_of_another_policy_alone():
 
 
 @needs_policies
+def test_the_waker_gives_a_hushed_caller_its_policy_back_unless_the_caller_took_it_back_first(monkeypatch):
+    import queue
+    import threading
+
+    from torchrl_batchserve import request as request_module
+    from torchrl_batchserve.request import Relay
+    from torchrl_batchserve.wakeup import hush
+
+    relay, caller = Relay(), Waiter()
+    unhushed = []
+    real_unhush = request_module.unhush
+    monkeypatch.setattr(request_module, "unhush", lambda: (unhushed.append(1), real_unhush()))
+    todo, answers = queue.Queue(), queue.Queue()
+
+    def a_caller_thread():  # runs what it is sent, in its own thread
+        for job in iter(todo.get, None):
+            answers.put(job())
+
+    thread = threading.Thread(target=a_caller_thread)
+    thread.start()
+    try:
+        todo.put(threading.get_native_id)
+        tid = answers.get(timeout=10)
+        policy = lambda: os.sched_getscheduler(tid)  # noqa: E731
+
+        # The waker gets there first (the common case): it gives the policy back, the caller has nothing to do.
+        caller.sleeper = tid
+        caller.hushed = tid if hush(tid) else 0
+        assert caller.hushed == tid and policy() == os.SCHED_BATCH
+        relay._give_back(caller)
+        assert caller.hushed == 0 and policy() == os.SCHED_OTHER
+        todo.put(lambda: relay.awake(caller))
+        answers.get(timeout=10)
+        assert unhushed == [] and policy() == os.SCHED_OTHER
+
+        # The caller runs first: it restores its own policy, and the waker must not touch it afterwards.
+        caller.sleeper = tid
+        caller.hushed = tid if hush(tid) else 0
+        todo.put(lambda: (relay.awake(caller), os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))))
+        answers.get(timeout=10)
+        assert unhushed == [1] and caller.hushed == 0 and policy() == os.SCHED_IDLE
+        relay._give_back(caller)
+        assert policy() == os.SCHED_IDLE
+    finally:
+        todo.put(None)
+        thread.join(timeout=10)
+
+
+@needs_policies
 def test_a_caller_interrupted_after_it_was_hushed_leaves_with_its_own_policy():
     import threading
 
@@ -326,7 +375,7 @@ def test_a_caller_interrupted_after_it_was_hushed_leaves_with_its_own_policy():
     while not request.sleeper and thread.is_alive():
         threading.Event().wait(0.001)  # until the caller is about to sleep
     with request.relay._lock:  # what the relay does just before it would wake the caller
-        request.hushed = hush(request.sleeper)
+        request.hushed = request.sleeper if hush(request.sleeper) else 0
     assert request.hushed and os.sched_getscheduler(request.sleeper) == os.SCHED_BATCH
     hushed.set()
     thread.join(timeout=10)
