@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -68,6 +69,34 @@ def test_64_threads_get_their_own_results_and_batches_form(policy, net):
             assert version == 0
     assert stats.requests == 64 * 20 and stats.rows == 64 * 20
     assert stats.mean_batch_size > 1
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
+def test_no_caller_returns_under_a_scheduling_policy_it_did_not_set(policy):
+    # Callers are hushed (SCHED_BATCH) while they sleep and given their policy
+    # back by whoever gets there first, their waker or themselves; threads the
+    # user made SCHED_BATCH are never touched. Checked after every call, with
+    # more callers than a batch holds, so that chains join.
+    with BatchedPolicyServer(policy, max_batch_size=16, timeout=0.05) as server:
+        remote = server.remote_policy()
+        barrier = threading.Barrier(48)
+
+        def actor(i):
+            mine = os.SCHED_BATCH if i % 6 == 0 else os.SCHED_OTHER
+            os.sched_setscheduler(0, mine, os.sched_param(0))
+            try:
+                barrier.wait()
+                seen = set()
+                for _ in range(30):
+                    remote(obs())
+                    seen.add(os.sched_getscheduler(0))
+                return mine, seen
+            finally:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+        with ThreadPoolExecutor(48) as pool:
+            results = list(pool.map(actor, range(48)))
+    assert all(seen == {mine} for mine, seen in results), results
 
 
 def test_1000_asyncio_tasks_batch_together(policy, net):
