@@ -236,7 +236,7 @@ class Relay:
                 running.next = head
             else:
                 self._started, self._woken = time.perf_counter(), 0
-                head.hushed = head.sleeper if hush(head.sleeper) else 0
+                head.hushed = hush(head.sleeper)
             self._tail = tail
         if running is None:
             head._lock.release()
@@ -270,7 +270,7 @@ class Relay:
             request.next = None
             self._woken += 1
             if follower is not None:
-                follower.hushed = follower.sleeper if hush(follower.sleeper) else 0
+                follower.hushed = hush(follower.sleeper)
             if follower is None and self._tail is request:
                 self._tail = None
                 self._last_per_wake = (time.perf_counter() - self._started) / self._woken

@@ -63,19 +63,19 @@ def sleeper_id() -> int:
         return 0
 
 
-def hush(tid: int) -> bool:
-    """Make the sleeping thread ``tid`` (from :func:`sleeper_id`) ``SCHED_BATCH``; whether it was."""
+def hush(tid: int) -> int:
+    """Make the sleeping thread ``tid`` (from :func:`sleeper_id`) ``SCHED_BATCH``; ``tid`` if it was, else 0."""
     if not tid:
-        return False
+        return 0
     try:
         os.sched_setscheduler(tid, _BATCH, _NO_PRIORITY)  # type: ignore[arg-type]
     except OSError:  # gone, or not ours to change
-        return False
-    return True
+        return 0
+    return tid
 
 
 def restore(tid: int) -> None:
-    """Give the thread ``tid``, hushed by :func:`hush` and not running yet, its ``SCHED_OTHER`` back."""
+    """Give the thread ``tid`` (0: the calling one), hushed by :func:`hush`, its ``SCHED_OTHER`` back."""
     try:
         os.sched_setscheduler(tid, _OTHER, _NO_PRIORITY)  # type: ignore[arg-type]
     except OSError:
@@ -84,7 +84,4 @@ def restore(tid: int) -> None:
 
 def unhush() -> None:
     """Give the calling thread, hushed while it slept, its ``SCHED_OTHER`` back."""
-    try:
-        os.sched_setscheduler(0, _OTHER, _NO_PRIORITY)  # type: ignore[arg-type]
-    except OSError:
-        pass
+    restore(0)
