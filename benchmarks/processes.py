@@ -7,7 +7,9 @@ in one process run, on the same policies and inputs as ``benchmarks/run.py``:
   shared-memory slots);
 * ``torchrl``: TorchRL 0.14.1's ``InferenceServer`` with its
   ``ProcessSlotTransport`` (fixed shared-memory slots and process semaphores),
-  one ``transport.client()`` per worker.
+  one ``transport.client()`` per worker: the fastest of TorchRL's
+  cross-process transports (``--torchrl-transports`` measures them side by
+  side: ``ProcessSlotTransport``, ``SharedMemoryTransport``, ``MPTransport``).
 
 Both servers: the same ``max_batch_size`` and ``timeout``, in this process.
 Workers synchronise on a barrier, then time their calls; throughput is all
@@ -15,6 +17,8 @@ calls over the span from the first start to the last end.
 
     python benchmarks/processes.py            # writes docs/benchmarks_processes.md
     python benchmarks/processes.py --quick    # seconds; a smoke test
+    python benchmarks/processes.py --torchrl-transports  # TorchRL's transports only:
+                                              # docs/benchmarks_torchrl_transports.md
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ from run import (
     restart_with,
     save_report,
 )
-from torchrl.modules.inference_server import InferenceServer, ProcessSlotTransport
+from torchrl.modules.inference_server import InferenceServer, MPTransport, ProcessSlotTransport, SharedMemoryTransport
 
 from torchrl_batchserve import BatchedPolicyServer
 
 _MEDIANS = ("rps", "p50_ms", "p99_ms", "mean_batch", "server_cpu_us", "worker_cpu_us")
+# TorchRL's cross-process transports; "torchrl" (ProcessSlotTransport) is the one compared with ours.
+_TRANSPORTS = {"torchrl": "ProcessSlotTransport", "torchrl-shm": "SharedMemoryTransport", "torchrl-mp": "MPTransport"}
 
 
 def worker(call: Any, payload: str, seed: int, calls: int, barrier: Any, results: Any) -> None:
@@ -71,7 +77,11 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
         with torch.no_grad():
             response = policy(sample.clone()).select(*policy.out_keys)
         response["policy_version"] = torch.zeros((), dtype=torch.long)
-        transport = ProcessSlotTransport(sample, response, num_slots=procs, ctx=ctx)
+        if system == "torchrl-mp":
+            transport: Any = MPTransport(ctx)
+        else:
+            slots = ProcessSlotTransport if system == "torchrl" else SharedMemoryTransport
+            transport = slots(sample, response, num_slots=procs, ctx=ctx)
         server = InferenceServer(policy, transport, **kw)
         clients = [transport.client() for _ in range(procs)]
     with server:
@@ -109,16 +119,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser = common_parser(__doc__)
     parser.add_argument("--only", default=None, help="comma list of payloads (vector,pixels)")
     parser.add_argument("--procs", default="2,4,8")
+    parser.add_argument(
+        "--torchrl-transports", action="store_true", help="measure TorchRL's cross-process transports only"
+    )
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(1)
     payloads = args.only.split(",") if args.only else ["vector", "pixels"]
+    systems = list(_TRANSPORTS) if args.torchrl_transports else ["ours", "torchrl"]
     runs: dict[tuple, list[dict]] = {}
     for repeat in range(args.repeats):
         for payload in payloads:
             for procs in [int(p) for p in args.procs.split(",")]:
                 calls = (20 if args.quick else 1500) // (1 if payload == "vector" else 4)
-                for system in ("ours", "torchrl"):
+                for system in systems:
                     r = measure(system, payload, procs, calls, args)
                     runs.setdefault((payload, procs, system), []).append(r)
                     print(
@@ -127,6 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
                         f"CPU us/req server {r['server_cpu_us']:4.0f} workers {r['worker_cpu_us']:4.0f}",
                         flush=True,
                     )
+    if args.torchrl_transports:
+        write_transports_report(runs, args)
+        return {"runs": runs}
     rows = []
     for (payload, procs, system), rs in runs.items():
         if system != "ours":
@@ -171,6 +188,34 @@ def write_report(rows: list[dict], args: Any) -> None:
             f"| {o['worker_cpu_us']:.0f}/{t['worker_cpu_us']:.0f} |"
         )
     save_report(lines, args, "benchmarks_processes", "processes.py")
+
+
+def write_transports_report(runs: dict[tuple, list[dict]], args: Any) -> None:
+    lines = [
+        "# TorchRL's cross-process transports, side by side",
+        "",
+        provenance("processes.py --torchrl-transports", args),
+        "",
+        "TorchRL 0.14.1's `InferenceServer` in the parent with each of its cross-process transports, "
+        "the same spawned workers, policies and settings as `docs/benchmarks_processes.md`; "
+        f"requests per second, medians of {args.repeats} repeat(s). The fastest is the one "
+        "`benchmarks/processes.py` compares with ours.",
+        "",
+        "| payload | worker processes | " + " | ".join(_TRANSPORTS.values()) + " |",
+        "|---|---:|" + "---:|" * len(_TRANSPORTS),
+    ]
+    for payload, procs in dict.fromkeys((p, n) for p, n, _ in runs):
+        rps = [statistics.median(r["rps"] for r in runs[(payload, procs, system)]) for system in _TRANSPORTS]
+        best = max(rps)
+        cells = [f"**{v:,.0f}**" if v == best else f"{v:,.0f}" for v in rps]
+        lines.append(f"| {payload} | {procs} | " + " | ".join(cells) + " |")
+    save_report(
+        lines,
+        args,
+        "benchmarks_torchrl_transports",
+        "processes.py",
+        reproduce="`python benchmarks/processes.py --torchrl-transports`",
+    )
 
 
 if __name__ == "__main__":

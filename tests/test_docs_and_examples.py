@@ -98,6 +98,15 @@ def test_process_benchmark_quick_smoke(tmp_path):
     assert (tmp_path / "benchmarks_processes_quick.md").exists()
 
 
+def test_torchrl_transports_benchmark_measures_each_transport(tmp_path):
+    argv = ["--torchrl-transports", "--quick", "--only", "vector", "--procs", "2", "--out", str(tmp_path)]
+    runs = _load("benchmarks", "processes").main(argv)["runs"]
+    assert {system for _, _, system in runs} == {"torchrl", "torchrl-shm", "torchrl-mp"}
+    assert all(r["rps"] > 0 and r["mean_batch"] >= 1 for rs in runs.values() for r in rs)
+    report = (tmp_path / "benchmarks_torchrl_transports_quick.md").read_text()
+    assert "| vector | 2 |" in report and "MPTransport" in report and "SharedMemoryTransport" in report
+
+
 def test_weights_benchmark_quick_smoke(tmp_path):
     out = _load("benchmarks", "weights").main(["--quick", "--out", str(tmp_path)])
     for row in out["rows"]:
