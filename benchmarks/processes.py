@@ -198,8 +198,8 @@ def write_transports_report(runs: dict[tuple, list[dict]], args: Any) -> None:
         "",
         "TorchRL 0.14.1's `InferenceServer` in the parent with each of its cross-process transports, "
         "the same spawned workers, policies and settings as `docs/benchmarks_processes.md`; "
-        f"requests per second, medians of {args.repeats} repeat(s). The fastest is the one "
-        "`benchmarks/processes.py` compares with ours.",
+        f"requests per second, medians of {args.repeats} repeat(s), the fastest of each row in bold. "
+        "`benchmarks/processes.py` compares ours with `ProcessSlotTransport`.",
         "",
         "| payload | worker processes | " + " | ".join(_TRANSPORTS.values()) + " |",
         "|---|---:|" + "---:|" * len(_TRANSPORTS),
