@@ -8,8 +8,9 @@ in one process run, on the same policies and inputs as ``benchmarks/run.py``:
 * ``torchrl``: TorchRL 0.14.1's ``InferenceServer`` with its
   ``ProcessSlotTransport`` (fixed shared-memory slots and process semaphores),
   one ``transport.client()`` per worker: the fastest of TorchRL's
-  cross-process transports (``--torchrl-transports`` measures them side by
-  side: ``ProcessSlotTransport``, ``SharedMemoryTransport``, ``MPTransport``).
+  cross-process transports in ``docs/benchmarks_torchrl_transports.md``
+  (``--torchrl-transports`` measures ``ProcessSlotTransport``,
+  ``SharedMemoryTransport`` and ``MPTransport`` side by side).
 
 Both servers: the same ``max_batch_size`` and ``timeout``, in this process.
 Workers synchronise on a barrier, then time their calls; throughput is all
@@ -45,7 +46,11 @@ from torchrl_batchserve import BatchedPolicyServer
 
 _MEDIANS = ("rps", "p50_ms", "p99_ms", "mean_batch", "server_cpu_us", "worker_cpu_us")
 # TorchRL's cross-process transports; "torchrl" (ProcessSlotTransport) is the one compared with ours.
-_TRANSPORTS = {"torchrl": "ProcessSlotTransport", "torchrl-shm": "SharedMemoryTransport", "torchrl-mp": "MPTransport"}
+_TRANSPORTS: dict[str, Any] = {
+    "torchrl": ProcessSlotTransport,
+    "torchrl-shm": SharedMemoryTransport,
+    "torchrl-mp": MPTransport,
+}
 
 
 def worker(call: Any, payload: str, seed: int, calls: int, barrier: Any, results: Any) -> None:
@@ -77,11 +82,11 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
         with torch.no_grad():
             response = policy(sample.clone()).select(*policy.out_keys)
         response["policy_version"] = torch.zeros((), dtype=torch.long)
-        if system == "torchrl-mp":
-            transport: Any = MPTransport(ctx)
+        kind = _TRANSPORTS[system]
+        if kind is MPTransport:  # pickles whole TensorDicts: no slot layout to give
+            transport = kind(ctx)
         else:
-            slots = ProcessSlotTransport if system == "torchrl" else SharedMemoryTransport
-            transport = slots(sample, response, num_slots=procs, ctx=ctx)
+            transport = kind(sample, response, num_slots=procs, ctx=ctx)
         server = InferenceServer(policy, transport, **kw)
         clients = [transport.client() for _ in range(procs)]
     with server:
@@ -201,7 +206,7 @@ def write_transports_report(runs: dict[tuple, list[dict]], args: Any) -> None:
         f"requests per second, medians of {args.repeats} repeat(s), the fastest of each row in bold. "
         "`benchmarks/processes.py` compares ours with `ProcessSlotTransport`.",
         "",
-        "| payload | worker processes | " + " | ".join(_TRANSPORTS.values()) + " |",
+        "| payload | worker processes | " + " | ".join(kind.__name__ for kind in _TRANSPORTS.values()) + " |",
         "|---|---:|" + "---:|" * len(_TRANSPORTS),
     ]
     for payload, procs in dict.fromkeys((p, n) for p, n, _ in runs):
