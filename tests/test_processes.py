@@ -7,8 +7,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import socket
 import threading
 import time
+from multiprocessing.connection import Connection
 
 import process_workers as pw
 import pytest
@@ -20,6 +22,8 @@ from torch import nn
 
 from torchrl_batchserve import BatchedPolicyServer, ServerBrokenError, ServerClosedError
 from torchrl_batchserve.transport.client import ProcessClient
+from torchrl_batchserve.transport.hub import _Client
+from torchrl_batchserve.transport.slots import Slot
 
 SPAWN = mp.get_context("spawn")
 
@@ -219,6 +223,18 @@ def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
         check_results(gated.net, out)
     gc.collect()
     assert slot_mappings() == 0
+
+
+def test_a_slot_offered_to_a_worker_already_gone_leaks_no_descriptor():
+    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = _Client(Connection(here.detach()), ident=1)
+    there.close()
+    client.alive = False  # a reply found the worker gone
+    slot, fd = Slot.create([("logits", torch.float32, (2,))], 1)
+    client.send(("slot", "out", *slot.describe()), fd=fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed, though never sent
+    client.wire.close()
 
 
 def test_closing_the_server_fails_waiting_workers_promptly():

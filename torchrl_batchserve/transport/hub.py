@@ -99,18 +99,18 @@ class _Client:
     def send(self, message: Any, fd: int | None = None) -> None:
         """Send ``message`` (``None``: a plain "done"), with the descriptor ``fd`` if any (then closed here)."""
         with self.send_lock:
-            if not self.alive:
-                return
-            if self.sleeper:
-                hush(self.sleeper)
-                self.sleeper = 0
             try:
+                if not self.alive:
+                    return
+                if self.sleeper:
+                    hush(self.sleeper)
+                    self.sleeper = 0
                 self.wire.send_frame(_DONE if message is None else frame(message), fd)
             except OSError:
                 self.alive = False  # the worker is gone; its reader sees EOF too
             finally:
                 if fd is not None:
-                    os.close(fd)
+                    os.close(fd)  # sent or not: the worker has its own copy or never will
 
 
 def _peer_pid(sock: socket.socket) -> int | None:
