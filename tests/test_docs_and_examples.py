@@ -58,6 +58,44 @@ def test_padded_server_config_serves_variable_lengths():
     assert isinstance(server.cost_fn, LengthCost)
 
 
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"observation": {"shape": [8], "dtype": "float32"}},
+        {"_target_": "torchrl.data.Composite", "observation": {"_target_": "torchrl.data.Unbounded", "shape": [8]}},
+    ],
+)
+def test_a_server_config_gives_the_input_layout(node):
+    import torch
+    from tensordict import TensorDict
+    from tensordict.nn import TensorDictModule
+
+    from torchrl_batchserve import BadRequestError
+    from torchrl_batchserve.config import build_server
+
+    policy = TensorDictModule(torch.nn.Linear(8, 2), in_keys=["observation"], out_keys=["logits"])
+    with build_server(OmegaConf.create({"input_spec": node}), policy) as server:
+        with pytest.raises(BadRequestError, match=r"key 'observation': expected feature shape \(8,\)"):
+            server.submit(TensorDict(observation=torch.zeros(5)))  # refused from the first request on
+        assert server.submit(TensorDict(observation=torch.zeros(8))).result(10)["logits"].shape == (2,)
+    with pytest.raises(ValueError, match="input_spec entry 'observation': dtype must name a torch dtype, got 'float23'"):
+        build_server(OmegaConf.create({"input_spec": {"observation": {"shape": [8], "dtype": "float23"}}}), policy)
+
+
+def test_a_server_node_resolves_its_interpolations_in_its_recipe():
+    import torch
+    from tensordict.nn import TensorDictModule
+
+    from torchrl_batchserve.config import build_server
+
+    recipe = OmegaConf.create({"searchers": 12, "obs": 5, "server": {"max_batch_size": "${searchers}"}})
+    recipe.server.input_spec = {"observation": {"shape": ["${obs}"]}}
+    policy = TensorDictModule(torch.nn.Linear(5, 2), in_keys=["observation"], out_keys=["logits"])
+    server = build_server(recipe.server, policy)
+    assert server.max_batch_size == 12 and server._layout.specs[0].shape == (5,)
+    server.close()
+
+
 def _load(folder: str, name: str):
     """Import a script of ``examples/`` or ``benchmarks/`` (its folder stays on the path: spawned workers import it)."""
     path = str(ROOT / folder)

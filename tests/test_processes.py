@@ -294,11 +294,15 @@ def test_workers_carry_their_interaction_type():
         worker.join(30)
 
 
-def test_bad_requests_from_a_worker_get_typed_errors():
+@pytest.mark.parametrize("spec", [False, True])
+def test_bad_requests_from_a_worker_get_typed_errors(spec):
+    from torchrl.data import Composite, Unbounded
+
     policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
-    with BatchedPolicyServer(policy) as server:
+    with BatchedPolicyServer(policy, input_spec=Composite(observation=Unbounded(shape=(8,))) if spec else None) as server:
         remote = pickle.loads(pickle.dumps(server.remote_policy()))
-        remote(TensorDict(observation=torch.zeros(8)))
+        if not spec:
+            remote(TensorDict(observation=torch.zeros(8)))  # the first request fixes the layout
         from torchrl_batchserve import BadRequestError
 
         with pytest.raises(BadRequestError, match=r"key 'observation': expected feature shape \(8,\)"):

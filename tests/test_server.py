@@ -306,6 +306,46 @@ def test_a_failed_first_batch_does_not_fix_the_layout(net):
         assert remote(obs())["logits"].shape == (3,)  # 8 wide is accepted now
 
 
+@pytest.mark.parametrize("kind", ["composite", "sample"])
+def test_an_input_spec_fixes_the_layout_before_the_first_request(net, kind):
+    from torchrl.data import Composite, Unbounded
+
+    spec = (
+        Composite(observation=Unbounded(shape=(3, 8)), shape=(3,))  # e.g. the observation_spec of 3 envs
+        if kind == "composite"
+        else TensorDict(observation=torch.zeros(3, 8), batch_size=[3])  # e.g. their reset()
+    )
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, input_spec=spec) as server:
+        remote = server.remote_policy()
+        with pytest.raises(BadRequestError, match=r"expected feature shape \(8,\) after the batch dims \[\], got shape \(5,\)"):
+            remote(obs(n=5))  # the first request: it fixes nothing
+        with pytest.raises(BadRequestError, match="key 'observation': expected dtype torch.float32, got torch.float64"):
+            remote(TensorDict(observation=torch.randn(8).double()))
+        one, many = remote(obs()), remote(obs(2, 2))  # any batch dims: the spec's 3 envs are not the requests'
+        assert server.statistics().rejected_requests == 2
+    with torch.no_grad():
+        for td in (one, many):
+            torch.testing.assert_close(td["logits"], net(td["observation"]))
+
+
+def test_an_input_spec_leaves_the_collates_variable_dims_free():
+    from torchrl_batchserve import PadCollate
+
+    policy = TensorDictModule(lambda tokens, mask: tokens * 2, in_keys=["tokens", "mask"], out_keys=["logits"])
+    spec = TensorDict(tokens=torch.zeros(16, 3))  # the mask is the collate's: the spec need not have it
+    with BatchedPolicyServer(policy, collate=PadCollate(["tokens"]), input_spec=spec) as server:
+        assert server.submit(TensorDict(tokens=torch.ones(5, 3))).result(10)["logits"].shape == (5, 3)
+        with pytest.raises(BadRequestError, match=r"key 'tokens': expected feature shape \(\*, 3\)"):
+            server.submit(TensorDict(tokens=torch.ones(5, 4)))
+
+
+def test_a_refused_server_leaves_the_policy_where_it_was(policy):
+    with pytest.raises(ValueError, match="input_spec has no entry 'observation'"):
+        BatchedPolicyServer(policy, device="meta", input_spec=TensorDict(obs=torch.zeros(8)))
+    assert {p.device.type for p in policy.parameters()} == {"cpu"}
+
+
 class Exploding(TensorDictModuleBase):
     def __init__(self, net):
         super().__init__()
@@ -451,6 +491,12 @@ def test_queue_full_is_refused_at_once():
         ({"max_queue_size": 0}, r"max_queue_size must be an int >= 1 \(got 0\)"),
         ({"device": "nonsense"}, r"device must be a torch.device or a device string \(got 'nonsense'\)"),
         ({"collate": 3}, "collate must be a Collate"),
+        (
+            {"input_spec": TensorDict(obs=torch.zeros(8))},
+            r"input_spec has no entry 'observation'; the policy reads \['observation'\] from requests, "
+            r"the spec has \['obs'\]",
+        ),
+        ({"input_spec": {"observation": 8}}, "input_spec must be a torchrl.data.Composite or a TensorDict"),
     ],
 )
 def test_constructor_validates_arguments(policy, kwargs, message):

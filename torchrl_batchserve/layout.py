@@ -1,7 +1,8 @@
 """Request validation: what every request must look like to share a batch.
 
 The layout of the policy's in_keys (dtype, feature shape after the batch
-dimensions, device) is fixed by the first accepted request, or given up front.
+dimensions, device) is fixed by the first accepted request, or given up front
+(:func:`layout_of`: from a TorchRL ``Composite`` spec or a sample TensorDict).
 It is provisional until a batch built on it has run: if that first batch fails,
 the layout is forgotten, so one malformed first request cannot lock every later
 one out. A collate transform can declare keys it writes itself
@@ -27,7 +28,7 @@ from tensordict import TensorDict, TensorDictBase, is_non_tensor
 
 from torchrl_batchserve.errors import BadRequestError
 
-__all__ = ["KeySpec", "Layout", "Validated", "entry"]
+__all__ = ["KeySpec", "Layout", "Validated", "entry", "layout_of"]
 
 
 Fields = tuple[tuple[tuple[str, ...], Any, Any], ...]  # (leaf path, dtype, feature shape)
@@ -261,22 +262,10 @@ class Layout:
                 self._set_specs(None)
 
     def _establish(self, values: list[Any], batch_dims: int) -> tuple[KeySpec, ...]:
-        specs = []
-        for key, value in zip(self.keys, values):
-            kind = _kind(value)
-            if kind == "tensor":
-                shape: list[int | None] = list(value.shape[batch_dims:])
-                for dim in self._variable.get(key, ()):
-                    if -len(shape) <= dim < len(shape):
-                        shape[dim] = None
-                specs.append(KeySpec(value.dtype, tuple(shape), value.device))
-            elif kind == "tensordict":
-                specs.append(KeySpec(None, None, None, _fields(value, batch_dims)))
-            else:
-                specs.append(KeySpec(None, None, None))
+        specs = _key_specs(self.keys, values, batch_dims, self._variable)
         with self._lock:
             if self._specs is None:
-                self._set_specs(tuple(specs))
+                self._set_specs(specs)
             return self._specs  # type: ignore[return-value]
 
     def _shape_matches(self, key: Any, feature: torch.Size, expected: tuple[int | None, ...] | None) -> bool:
@@ -285,6 +274,69 @@ class Layout:
         if key not in self._variable:
             return feature == expected
         return len(feature) == len(expected) and all(e is None or e == f for f, e in zip(feature, expected))
+
+
+def layout_of(
+    spec: Any, keys: Sequence[Any], variable_dims: Mapping[Any, Sequence[int]] | None = None
+) -> tuple[KeySpec, ...]:
+    """The layout of ``keys`` as ``spec`` describes them, for :class:`Layout`'s ``specs``.
+
+    Args:
+        spec: a TorchRL ``Composite`` (e.g. ``env.observation_spec``), whose
+            shape is the batch dims, or a sample request (a TensorDict, e.g.
+            ``env.reset()``), whose batch size is; entries of other keys are
+            ignored.
+        keys: the entries requests must carry.
+        variable_dims: per key, the feature dims left free (a collate's).
+
+    Examples:
+        >>> import torch
+        >>> from torchrl.data import Composite, Unbounded
+        >>> from torchrl_batchserve.layout import Layout, layout_of
+        >>> spec = Composite(observation=Unbounded(shape=(3, 4)), shape=(3,))  # 3 envs, 4 features
+        >>> layout = Layout(["observation"], specs=layout_of(spec, ["observation"]))
+        >>> layout.specs[0].shape
+        (4,)
+    """
+    from torchrl.data import Composite
+
+    if isinstance(spec, Composite):
+        sample: Any = spec.zero()  # the same dtypes, shapes and devices, nested specs included
+    elif isinstance(spec, TensorDictBase):
+        sample = spec
+    else:
+        raise TypeError(
+            f"input_spec must be a torchrl.data.Composite or a TensorDict (a sample request), got {type(spec).__name__}"
+        )
+    values = []
+    for key in keys:
+        value = entry(sample, key)
+        if value is None:
+            raise ValueError(
+                f"input_spec has no entry {key!r}; the policy reads {list(keys)} from requests, "
+                f"the spec has {sorted(map(str, sample.keys(True, True)))}"
+            )
+        values.append(value)
+    return _key_specs(keys, values, sample.batch_dims, {k: tuple(d) for k, d in (variable_dims or {}).items()})
+
+
+def _key_specs(
+    keys: Sequence[Any], values: Sequence[Any], batch_dims: int, variable: Mapping[Any, tuple[int, ...]]
+) -> tuple[KeySpec, ...]:
+    specs = []
+    for key, value in zip(keys, values):
+        kind = _kind(value)
+        if kind == "tensor":
+            shape: list[int | None] = list(value.shape[batch_dims:])
+            for dim in variable.get(key, ()):
+                if -len(shape) <= dim < len(shape):
+                    shape[dim] = None
+            specs.append(KeySpec(value.dtype, tuple(shape), value.device))
+        elif kind == "tensordict":
+            specs.append(KeySpec(None, None, None, _fields(value, batch_dims)))
+        else:
+            specs.append(KeySpec(None, None, None))
+    return tuple(specs)
 
 
 def _flatten(value: Any, rows: int, batch_dims: int) -> Any:

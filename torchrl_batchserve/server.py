@@ -33,7 +33,7 @@ from torchrl_batchserve.collate import StackCollate, as_collate, split_values
 from torchrl_batchserve.direct import direct_call, usable
 from torchrl_batchserve.distributed import WeightReceiver
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError
-from torchrl_batchserve.layout import Layout
+from torchrl_batchserve.layout import Layout, layout_of
 from torchrl_batchserve.queue import FireReason, RequestQueue
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.request import Relay, Request, fail_all, resolve
@@ -117,6 +117,13 @@ class BatchedPolicyServer(TensorDictModule):
             version, identical rows in flight share one computed row.
         policy_version_key: key under which each result carries the version of
             the weights that computed it; ``None`` disables the stamp.
+        input_spec: the layout requests must have (dtype, feature shape and
+            device of each entry the policy reads), given up front: a TorchRL
+            ``Composite`` such as ``env.observation_spec`` (its shape is the
+            batch dims) or a sample request such as ``env.reset()``. Default:
+            the first request that runs fixes it. Requests that do not fit get
+            :class:`~torchrl_batchserve.errors.BadRequestError`, from the
+            first one on; feature dims the collate varies stay free.
         in_keys, out_keys: for a plain ``nn.Module`` policy.
 
     Examples:
@@ -151,6 +158,7 @@ class BatchedPolicyServer(TensorDictModule):
         max_batch_cost: int | None = None,
         cache: EvaluationCache | None = None,
         policy_version_key: NestedKey | None = "policy_version",
+        input_spec: Any = None,
         in_keys: Sequence[NestedKey] | None = None,
         out_keys: Sequence[NestedKey] | None = None,
     ) -> None:
@@ -172,6 +180,8 @@ class BatchedPolicyServer(TensorDictModule):
             _check_int("max_batch_cost", max_batch_cost, 1)
             if not callable(cost_fn):
                 raise ValueError(f"cost_fn must be callable as cost_fn(td) -> int (got {cost_fn!r})")
+        if cache is not None and not isinstance(cache, EvaluationCache):
+            raise TypeError(f"cache must be an EvaluationCache or None, got {type(cache).__name__}")
         device = _device("device", device)
         output_device = _device("output_device", output_device)
         if collate is None and device is not None and device.type == "cuda":
@@ -179,8 +189,6 @@ class BatchedPolicyServer(TensorDictModule):
         collate = as_collate(collate)
 
         super().__init__(policy, in_keys=list(policy.in_keys), out_keys=list(policy.out_keys))
-        if device is not None:
-            policy.to(device)
         provided = set(unravel_key_list(list(getattr(collate, "provided_keys", ()))))
         self.max_batch_size = max_batch_size
         self.timeout = float(timeout)
@@ -200,15 +208,16 @@ class BatchedPolicyServer(TensorDictModule):
         self.max_batch_cost = max_batch_cost
         self.cost_fn = cost_fn
         check = getattr(collate, "check", None)
-        self._layout = Layout(keys, variable, check=check, cost_fn=cost_fn, max_cost=max_batch_cost)
+        specs = None if input_spec is None else layout_of(input_spec, keys, variable)
+        self._layout = Layout(keys, variable, specs, check=check, cost_fn=cost_fn, max_cost=max_batch_cost)
+        if device is not None:  # once every argument is checked: a refused server moves nothing
+            policy.to(device)
         self._queue = RequestQueue(max_batch_size, self.timeout, max_queue_size, max_batch_cost)
         self._stats = StatisticsRecorder()
         self._relay = Relay()  # one wake-up chain for all blocking callers of this server
         self._weights = ShadowWeights(policy)
         self._lifecycle = threading.Lock()
         self._thread: threading.Thread | None = None
-        if cache is not None and not isinstance(cache, EvaluationCache):
-            raise TypeError(f"cache must be an EvaluationCache or None, got {type(cache).__name__}")
         self.cache = cache
         self._endpoint = LocalEndpoint(
             self._queue,
