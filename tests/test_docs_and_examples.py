@@ -104,6 +104,19 @@ def _load(folder: str, name: str):
     return __import__(name)
 
 
+def test_collector_example_smoke():
+    collector_pendulum = _load("examples", "collector_pendulum")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(
+            config_name="collector_pendulum",
+            overrides=["workers=2", "frames_per_batch=64", "total_frames=192", "train_steps=2"],
+        )
+    result = collector_pendulum.run(cfg)
+    assert result["mismatches"] == 0 and result["frames"] == 192
+    assert result["versions"] == [[0], [1], [2]]  # each rollout served with the weights pushed after the last
+    assert result["statistics"].failed_batches == 0
+
+
 def test_actors_demo_smoke():
     actors_demo = _load("examples", "actors_demo")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
