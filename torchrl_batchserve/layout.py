@@ -187,15 +187,13 @@ class Layout:
             raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
         batch_shape = td.batch_size
         batch_dims = len(batch_shape)
-        values = []
-        for key in self.keys:
-            value = entry(td, key)
-            if value is None:
-                raise BadRequestError(
-                    f"key {key!r}: missing; the policy reads {list(self.keys)}, "
-                    f"the request has {sorted(map(str, td.keys(True, True)))}"
-                )
-            values.append(value)
+        values = _entries(
+            td,
+            self.keys,
+            lambda key, has: BadRequestError(
+                f"key {key!r}: missing; the policy reads {list(self.keys)}, the request has {has}"
+            ),
+        )
         specs = self._specs
         if specs is None:
             specs = self._establish(values, batch_dims)
@@ -308,20 +306,29 @@ def layout_of(
         raise TypeError(
             f"input_spec must be a torchrl.data.Composite or a TensorDict (a sample request), got {type(spec).__name__}"
         )
+    values = _entries(
+        sample,
+        keys,
+        lambda key, has: ValueError(
+            f"input_spec has no entry {key!r}; the policy reads {list(keys)} from requests, the spec has {has}"
+        ),
+    )
+    return _key_specs(keys, values, sample.batch_dims, variable_dims or {})
+
+
+def _entries(td: Any, keys: Sequence[Any], missing: Callable[[Any, list[str]], Exception]) -> list[Any]:
+    """``td``'s entry under each key; raises ``missing(key, the keys td has)`` for the first it lacks."""
     values = []
     for key in keys:
-        value = entry(sample, key)
+        value = entry(td, key)
         if value is None:
-            raise ValueError(
-                f"input_spec has no entry {key!r}; the policy reads {list(keys)} from requests, "
-                f"the spec has {sorted(map(str, sample.keys(True, True)))}"
-            )
+            raise missing(key, sorted(map(str, td.keys(True, True))))
         values.append(value)
-    return _key_specs(keys, values, sample.batch_dims, {k: tuple(d) for k, d in (variable_dims or {}).items()})
+    return values
 
 
 def _key_specs(
-    keys: Sequence[Any], values: Sequence[Any], batch_dims: int, variable: Mapping[Any, tuple[int, ...]]
+    keys: Sequence[Any], values: Sequence[Any], batch_dims: int, variable: Mapping[Any, Sequence[int]]
 ) -> tuple[KeySpec, ...]:
     specs = []
     for key, value in zip(keys, values):
