@@ -14,7 +14,10 @@ in one process run, on the same policies and inputs as ``benchmarks/run.py``:
 
 Both servers: the same ``max_batch_size`` and ``timeout``, in this process.
 Workers synchronise on a barrier, then time their calls; throughput is all
-calls over the span from the first start to the last end.
+calls over the span from the first start to the last end. Five repeats by
+default (``--repeats``): at 8 processes on two vCPUs a single repeat of ours
+ranges over ±10% from run to run, and the median of three moved the ratio by
+as much as the gap it was read against.
 
     python benchmarks/processes.py            # writes docs/benchmarks_processes.md
     python benchmarks/processes.py --quick    # seconds; a smoke test
@@ -36,6 +39,7 @@ from run import (
     _pct,
     common_parser,
     make_payload,
+    parse_common,
     provenance,
     restart_with,
     save_report,
@@ -121,14 +125,13 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = common_parser(__doc__)
+    parser = common_parser(__doc__, repeats=5)
     parser.add_argument("--only", default=None, help="comma list of payloads (vector,pixels)")
     parser.add_argument("--procs", default="2,4,8")
     parser.add_argument(
         "--torchrl-transports", action="store_true", help="measure TorchRL's cross-process transports only"
     )
-    args = parser.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args = parse_common(parser, argv)
     torch.set_num_threads(1)
     payloads = args.only.split(",") if args.only else ["vector", "pixels"]
     systems = list(_TRANSPORTS) if args.torchrl_transports else ["ours", "torchrl"]

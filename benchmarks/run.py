@@ -478,22 +478,29 @@ def restart_with(wanted: dict[str, str]) -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
 
 
-def common_parser(doc: str | None) -> argparse.ArgumentParser:
-    """The options every benchmark script shares."""
+def common_parser(doc: str | None, repeats: int = 3) -> argparse.ArgumentParser:
+    """The options every benchmark script shares; ``repeats``: how many by default (1 with ``--quick``)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test, not a measurement")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 1 with --quick, else 3")
+    parser.add_argument("--repeats", type=int, default=None, help=f"default: 1 with --quick, else {repeats}")
+    parser.set_defaults(full_repeats=repeats)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=0.002)
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the report goes")
     return parser
 
 
+def parse_common(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; ``args.repeats`` resolved to its default when not given."""
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (1 if args.quick else args.full_repeats)
+    return args
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = common_parser(__doc__)
     parser.add_argument("--only", default=None, help="comma list of payloads to run (vector,pixels)")
-    args = parser.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args = parse_common(parser, argv)
     torch.set_num_threads(1)
     results: list[Measurement] = []
     todo = [s for s in scenarios(args.quick) if not args.only or s[0] in args.only.split(",")]

@@ -24,7 +24,16 @@ import statistics
 from typing import Any
 
 import torch
-from run import ONE_INTRAOP_THREAD, _pct, common_parser, drive_threads, provenance, restart_with, save_report
+from run import (
+    ONE_INTRAOP_THREAD,
+    _pct,
+    common_parser,
+    drive_threads,
+    parse_common,
+    provenance,
+    restart_with,
+    save_report,
+)
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 from torch import nn
@@ -160,8 +169,7 @@ def check_outputs() -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = common_parser(__doc__)
     parser.add_argument("--actors", type=int, default=64)
-    args = parser.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args = parse_common(parser, argv)
     torch.set_num_threads(1)
     check_outputs()
     per_actor = 4 if args.quick else 40

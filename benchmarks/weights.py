@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 import torch
-from run import ONE_INTRAOP_THREAD, common_parser, provenance, restart_with, save_report
+from run import ONE_INTRAOP_THREAD, common_parser, parse_common, provenance, restart_with, save_report
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.modules.inference_server import InferenceServer, ThreadingTransport
@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = common_parser(__doc__)
     parser.add_argument("--actors", type=int, default=64)
     parser.add_argument("--period", type=float, default=0.02, help="seconds between pushes")
-    args = parser.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args = parse_common(parser, argv)
     args.seconds, args.warmup = (0.5, 0.2) if args.quick else (3.0, 0.5)
     if args.quick:
         args.actors = min(args.actors, 8)
