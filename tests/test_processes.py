@@ -186,6 +186,19 @@ def test_the_hub_hushes_a_client_before_its_reply_and_the_client_gets_its_policy
             torch.testing.assert_close(seen["td"]["logits"], policy.module(torch.ones(8)))
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
+def test_a_forked_child_names_its_own_thread_to_be_hushed():
+    from torchrl_batchserve.wakeup import sleeper_id
+
+    assert sleeper_id() == threading.get_native_id()  # asked once here, then kept
+    results = mp.get_context("fork").Queue()
+    child = mp.get_context("fork").Process(target=pw.report_sleeper, args=(results,))
+    child.start()
+    theirs, their_thread = report(results, [child])
+    child.join(30)
+    assert theirs == their_thread != threading.get_native_id()
+
+
 def test_the_hub_fires_timeouts_for_the_requests_it_queued():
     # Two clients are known; while one stays away, the other's requests can
     # only run on timeout, which the hub keeps (their arrival wakes nobody).

@@ -9,7 +9,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from torchrl_batchserve.transport.wire import Wire, frame
+from torchrl_batchserve.transport.wire import DONE, DONE_FRAME, Wire, frame
 
 
 @pytest.fixture
@@ -59,3 +59,11 @@ def test_a_closed_peer_ends_a_waiting_recv_with_eof(wires):
     left.close()
     with pytest.raises(EOFError):
         right.recv()
+
+
+def test_the_common_reply_is_read_as_itself_alone_or_among_others(wires):
+    left, right = wires
+    left.send_frame(DONE_FRAME)
+    assert right.read() == [DONE]  # returned without unpickling
+    left.send_frame(DONE_FRAME + frame(("closed",)) + DONE_FRAME)  # one read, three frames
+    assert [right.recv(), right.recv(), right.recv()] == [DONE, ("closed",), DONE]

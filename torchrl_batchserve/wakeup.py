@@ -47,6 +47,10 @@ __all__ = ["hush", "restore", "sleeper_id", "unhush"]
 _BATCH: int | None = getattr(os, "SCHED_BATCH", None)
 _OTHER: int | None = getattr(os, "SCHED_OTHER", None)
 _NO_PRIORITY = os.sched_param(0) if _BATCH is not None else None
+# Each thread's native id, asked once (threading.get_native_id is a system
+# call each time); a forked child's thread has an id of its own.
+_thread = threading.local()
+os.register_at_fork(after_in_child=lambda: _thread.__dict__.clear())
 
 
 def sleeper_id() -> int:
@@ -58,7 +62,12 @@ def sleeper_id() -> int:
     if _BATCH is None:
         return 0
     try:
-        return threading.get_native_id() if os.sched_getscheduler(0) == _OTHER else 0
+        if os.sched_getscheduler(0) != _OTHER:
+            return 0
+        tid = getattr(_thread, "native_id", 0)
+        if not tid:
+            tid = _thread.native_id = threading.get_native_id()
+        return tid
     except OSError:
         return 0
 

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Client
 from typing import Any
 
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, ServerClosedError
 from torchrl_batchserve.layout import entry
@@ -74,7 +74,7 @@ class ProcessClient:
 
     def call(self, td: TensorDictBase) -> TensorDictBase:
         """Serve ``td`` and block until its outputs are written into it."""
-        if not isinstance(td, TensorDictBase):
+        if type(td) is not TensorDict and not isinstance(td, TensorDictBase):
             raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
         with self._lock:
             conn = self._connection()
@@ -85,7 +85,7 @@ class ProcessClient:
             mode = current_interaction()
             inputs = [entry(td, key) for key in self.in_keys]
             slot = self._inputs
-            if slot is not None and slot.fits(inputs, rows, len(batch_shape)):
+            if slot is not None and slot.fits(inputs, rows, batch_shape):
                 slot.write(inputs, rows, batch_shape)
                 payload = None
             else:
@@ -134,7 +134,7 @@ class ProcessClient:
             if values is None:
                 out = self._outputs
                 assert out is not None
-                keys = [f.key for f in out.fields]
+                keys = out.keys
                 values = out.read(rows, batch_shape, clone=True)
             write_outputs(td, keys, values)
             return td

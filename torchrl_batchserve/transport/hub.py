@@ -49,7 +49,7 @@ from tensordict.nn import InteractionType
 from torchrl_batchserve.errors import BadRequestError, BatchServeError
 from torchrl_batchserve.request import Request
 from torchrl_batchserve.transport.slots import Slot
-from torchrl_batchserve.transport.wire import Wire, frame
+from torchrl_batchserve.transport.wire import DONE_FRAME, Wire, frame
 from torchrl_batchserve.wakeup import hush
 
 __all__ = ["ProcessHub", "ProcessRequest"]
@@ -59,7 +59,6 @@ _CPU = torch.device("cpu")
 
 
 _MODES = {m.value: m for m in InteractionType}
-_DONE = frame(("done", None, None, None))  # the common reply, pickled once
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -105,7 +104,7 @@ class _Client:
                 if self.sleeper:
                     hush(self.sleeper)
                     self.sleeper = 0
-                self.wire.send_frame(_DONE if message is None else frame(message), fd)
+                self.wire.send_frame(DONE_FRAME if message is None else frame(message), fd)
             except OSError:
                 self.alive = False  # the worker is gone; its reader sees EOF too
             finally:
@@ -144,7 +143,7 @@ class ProcessRequest(Request):
     def _reply(self, client: _Client) -> None:
         values, rows, dims = list(self.values), self.rows, len(self.batch_shape)
         slot = client.outputs
-        if slot is None or not slot.fits(values, rows, dims):
+        if slot is None or not slot.fits(values, rows, self.batch_shape):
             if not all(isinstance(v, torch.Tensor) for v in values):
                 client.send(("done", None, values, list(self.keys)))  # non-tensor outputs: pickled
                 return
@@ -302,7 +301,7 @@ class ProcessHub:
             raise BadRequestError(f"the request has {rows} rows; the client's slot holds {slot.capacity}")
         if not self._trusted:
             views = slot.read(rows, batch_shape, clone=False)
-            td = TensorDict(dict(zip([f.key for f in slot.fields], views)), batch_size=batch_shape)
+            td = TensorDict(dict(zip(slot.keys, views)), batch_size=batch_shape)
             return self._make_request(ProcessRequest, td, client.caller, mode, client=client)
         # The slot's layout was validated with the request that made it: only
         # the rows are new. Inputs are views, as validation would return them.

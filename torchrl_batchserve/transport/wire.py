@@ -43,10 +43,19 @@ _FDS = socket.CMSG_SPACE(array.array("i", [0]).itemsize)
 _CHUNK = 1 << 16
 
 
+DONE = ("done", None, None, None)
+"""The most common message: a reply whose outputs are in the client's slot
+(:meth:`Wire.read` returns it without unpickling when a read brings exactly its frame)."""
+
+
 def frame(message: Any) -> bytes:
     """``message`` pickled and framed, ready for :meth:`Wire.send_frame`."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(payload)) + payload
+
+
+DONE_FRAME = frame(DONE)
+""":data:`DONE`, framed once."""
 
 
 class Wire:
@@ -104,6 +113,8 @@ class Wire:
         if not data:
             raise EOFError("the peer closed the connection")
         buffer = self._buffer
+        if data == DONE_FRAME and not buffer:  # the most common message: nothing to unpickle
+            return [DONE]
         if not buffer and len(data) >= 4:  # the common case: exactly one whole frame
             (size,) = _HEADER.unpack_from(data)
             if len(data) == size + 4:

@@ -1,0 +1,71 @@
+"""Shared-memory slots: what fits them, and writes that copy every kind of tensor faithfully."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrl_batchserve.transport.slots import Slot
+
+
+@pytest.fixture
+def slot():
+    made, fd = Slot.create([("x", torch.float32, (3,)), ("z", torch.complex64, ()), ("n", torch.int64, ())], 4)
+    made = Slot.attach(made.fields, made.capacity, made.size, fd)  # the peer's mapping, as a worker has it
+    return made
+
+
+def values(rows: int, batch_shape: tuple[int, ...]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rows)
+    return [
+        torch.randn((*batch_shape, 3), generator=g),
+        torch.randn(batch_shape, dtype=torch.complex64, generator=g),
+        torch.randint(0, 100, batch_shape, generator=g),
+    ]
+
+
+@pytest.mark.parametrize("batch_shape", [(), (4,), (2, 2)])
+def test_fits_takes_the_slots_shapes_and_dtypes_only(slot, batch_shape):
+    rows = 1
+    for d in batch_shape:
+        rows *= d
+    good = values(rows, batch_shape)
+    assert slot.fits(good, rows, batch_shape)
+    x, z, n = good
+    assert not slot.fits([x, z], rows, batch_shape)  # a value missing
+    assert not slot.fits([x.double(), z, n], rows, batch_shape)  # another dtype
+    assert not slot.fits([x[..., :2], z, n], rows, batch_shape)  # another feature shape
+    assert not slot.fits([x.unsqueeze(0), z, n], rows, batch_shape)  # another batch shape
+    assert not slot.fits([x.to_sparse(), z, n], rows, batch_shape)  # not strided
+    assert not slot.fits([x.tolist(), z, n], rows, batch_shape)  # not a tensor
+    assert slot.fits(good, rows, batch_shape)  # the shapes kept for the last batch shape still answer right
+    assert not slot.fits(values(8, (8,)), 8, (8,))  # more rows than the slot holds
+
+
+def test_write_copies_every_kind_of_tensor_as_its_values(slot):
+    base = values(4, (4,))
+    x, z, n = base
+    kinds = {
+        "plain": base,
+        "strided": [torch.randn(3, 4).t(), z.clone(), n.flip(0)],  # not contiguous: a torch copy
+        "offset": [torch.randn(6, 3)[2:], torch.randn(5, dtype=torch.complex64)[1:], torch.arange(9)[5:]],
+        "lazy conj and neg": [torch._neg_view(x), z.conj(), torch._neg_view(n)],  # the bits must be applied
+        "subclass": [torch.nn.Parameter(x, requires_grad=False), z, n],
+    }
+    for kind, given in kinds.items():
+        assert slot.fits(given, 4, (4,)), kind
+        slot.write(given, 4, (4,))
+        for got, want in zip(slot.read(4, (4,), clone=True), given):
+            assert torch.equal(got, want.resolve_conj().resolve_neg()), kind
+
+
+def test_write_and_read_a_part_of_the_rows(slot):
+    given = values(2, (2,))
+    slot.write(values(4, (4,)), 4, (4,))
+    slot.write(given, 2, (2,))
+    for got, want in zip(slot.read(2, (2,), clone=False), given):
+        assert torch.equal(got, want)
+    single = values(1, ())
+    slot.write(single, 1, ())
+    for got, want in zip(slot.read(1, (), clone=True), single):
+        assert got.shape == want.shape and torch.equal(got, want)
