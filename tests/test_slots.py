@@ -69,3 +69,9 @@ def test_write_and_read_a_part_of_the_rows(slot):
     slot.write(single, 1, ())
     for got, want in zip(slot.read(1, (), clone=True), single):
         assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_a_value_of_other_rows_is_refused_not_copied_past_its_end(slot):
+    x, z, n = values(2, (2,))
+    with pytest.raises(RuntimeError):  # torch's copy_ names the shapes; no bytes are read beyond the value
+        slot.write([x, z, n], 4, (4,))

@@ -132,7 +132,12 @@ class Slot:
     def write(self, values: Sequence[torch.Tensor], rows: int, batch_shape: Sequence[int]) -> None:
         """Copy ``values`` (that :meth:`fits` accepted) into the first ``rows`` rows."""
         for view, value, (address, row_bytes) in zip(self.views(rows, batch_shape), values, self._rows):
-            if type(value) is torch.Tensor and value.is_contiguous() and not (value.is_neg() or value.is_conj()):
+            if (
+                type(value) is torch.Tensor
+                and value.is_contiguous()
+                and not (value.is_neg() or value.is_conj())
+                and value.nbytes == rows * row_bytes  # exactly the rows written (copy_ says why not)
+            ):
                 ctypes.memmove(address, value.data_ptr(), rows * row_bytes)  # its bytes as they are
             else:
                 view.copy_(value)
