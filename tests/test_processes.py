@@ -150,6 +150,18 @@ def test_pickled_copies_are_separate_clients():
     assert slot_mappings() == 0  # anonymous memory files: nothing named to leak, nothing left once unused
 
 
+def test_close_leaves_no_thread_of_the_hub_behind():
+    policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
+    server = BatchedPolicyServer(policy)
+    client = pickle.loads(pickle.dumps(server.remote_policy()))
+    client(TensorDict(observation=torch.zeros(8)))  # the hub accepted, and reads, a client
+    hub = server._hub
+    threads = [hub._accepter, hub._reader]
+    assert all(t.is_alive() for t in threads)
+    assert server.close(timeout=10)
+    assert [t.name for t in threads if t.is_alive()] == []  # joined by close, not left blocked in accept()
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
 def test_the_hub_hushes_a_client_before_its_reply_and_the_client_gets_its_policy_back(monkeypatch):
     import torchrl_batchserve.transport.hub as hub_module

@@ -230,6 +230,17 @@ class ProcessHub:
                 self._pending.append(_Client(conn, self._next_id))
             os.write(self._wake_w, b"x")
 
+    def _wake_accepter(self) -> None:
+        """End the accept thread's ``accept()``: closing the listening socket does not (Linux).
+
+        A connection that hangs up at once: its handshake fails, and the thread sees the hub closed.
+        """
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as knock:
+                knock.connect(self.address)
+        except OSError:
+            pass
+
     def _read_forever(self) -> None:
         torch.set_grad_enabled(False)
         selector = selectors.DefaultSelector()  # one epoll set for the hub's life, not one per wake
@@ -343,7 +354,9 @@ class ProcessHub:
             clients = list(self._clients.values()) + self._pending
             self._pending.clear()
         os.write(self._wake_w, b"x")
-        self._listener.close()  # ends accept() and removes the socket file
+        self._wake_accepter()
+        self._listener.close()  # removes the socket file
+        self._accepter.join(timeout)
         self._reader.join(timeout)
         for client in clients:
             client.send(("closed",))
