@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import multiprocessing as mp
 import os
@@ -148,6 +149,50 @@ def test_pickled_copies_are_separate_clients():
     del a, b, ta, tb
     gc.collect()
     assert slot_mappings() == 0  # anonymous memory files: nothing named to leak, nothing left once unused
+
+
+class _Transposed(nn.Module):
+    """Outputs that are views of another layout (not contiguous), and a second output of another dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = pw.make_net()
+
+    def forward(self, obs):
+        logits = self.net(obs)
+        return logits.t().contiguous().t(), logits.argmax(-1)
+
+
+@pytest.mark.parametrize("module", ["plain", "transposed"])
+def test_single_row_replies_carry_each_rows_outputs_and_the_version_served(module):
+    # Single-row worker requests take their outputs as (batch, row) pairs copied straight into their
+    # slots, with a stamp row kept per version; outputs that are not plain contiguous tensors take views.
+    net = pw.make_net() if module == "plain" else _Transposed()
+    out_keys = ["logits"] if module == "plain" else ["logits", "action"]
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=out_keys)
+    trainer = copy.deepcopy(policy)  # the served policy's weights change only through the server
+    with BatchedPolicyServer(policy, max_batch_size=4, timeout=0.05) as server:
+        clients = [pickle.loads(pickle.dumps(server.remote_policy())) for _ in range(3)]  # one batch of three
+        for version in (0, 1, 2):
+            if version:
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.add_(0.5)
+                assert server.update_weights(TensorDict.from_module(trainer)) == version
+            obs = torch.randn(3, 8)
+            tds = [TensorDict(observation=o) for o in obs]
+            threads = [threading.Thread(target=c, args=(td,)) for c, td in zip(clients, tds)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            with torch.no_grad():
+                want = trainer(TensorDict(observation=obs, batch_size=[3]))
+            for i, td in enumerate(tds):
+                for key in out_keys:
+                    torch.testing.assert_close(td[key], want[key][i])
+                assert td["policy_version"].item() == version and td["policy_version"].shape == ()
+        assert server.statistics().mean_batch_size > 1
 
 
 def test_close_leaves_no_thread_of_the_hub_behind():
@@ -324,7 +369,9 @@ def test_bad_requests_from_a_worker_get_typed_errors(spec):
     from torchrl.data import Composite, Unbounded
 
     policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
-    with BatchedPolicyServer(policy, input_spec=Composite(observation=Unbounded(shape=(8,))) if spec else None) as server:
+    with BatchedPolicyServer(
+        policy, input_spec=Composite(observation=Unbounded(shape=(8,))) if spec else None
+    ) as server:
         remote = pickle.loads(pickle.dumps(server.remote_policy()))
         if not spec:
             remote(TensorDict(observation=torch.zeros(8)))  # the first request fixes the layout

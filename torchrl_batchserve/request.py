@@ -61,6 +61,12 @@ class Request:
     ``cache_keys`` are its rows' keys when the server has an evaluation
     cache. ``extra`` is the collate's per-request note between ``collate`` and
     ``split`` (e.g. the length a padding collate trims outputs back to).
+
+    A request type whose ``takes_rows`` is true copies its outputs out as
+    soon as it completes (a worker process's, into its slot): for a batch of
+    single rows of such requests only, the serve loop may give it, instead
+    of one view per output, ``(batch tensor, row)`` pairs (plain contiguous
+    CPU tensors), and skip making the views.
     """
 
     __slots__ = (
@@ -81,6 +87,7 @@ class Request:
         "values",
     )
     loop: asyncio.AbstractEventLoop | None = None
+    takes_rows = False
 
     def __init__(
         self,

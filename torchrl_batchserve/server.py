@@ -3,7 +3,7 @@
 ::
 
     take_batch -> apply pending weights -> collate -> to(device) -> policy
-               -> stamp version -> to(output device) -> split -> resolve
+               -> to(output device) -> stamp version -> split -> resolve
 
 Each step is a call into the module named for it; this file only sequences
 them and owns the worker thread.
@@ -197,6 +197,7 @@ class BatchedPolicyServer(TensorDictModule):
         self._collate = collate
         # The tensor-level path needs the stacking collate and a plain TensorDictModule.
         self._direct = direct_call(policy) if type(collate) is StackCollate else None
+        self._stamp_row: tuple[int | None, torch.Tensor | None] = (None, None)  # (version, its one-row stamp)
         self._policy_device = device
         self._output_device = output_device
         self._delivered = list(self.out_keys) + ([policy_version_key] if policy_version_key is not None else [])
@@ -542,23 +543,35 @@ class BatchedPolicyServer(TensorDictModule):
         source = group[0].device
         run_on = self._policy_device or source
         target = self._output_device or source
-        stamp = None
-        if self.policy_version_key is not None:
-            stamp = torch.full((rows,), self._weights.version, dtype=torch.long, device=run_on)
+        version = self._weights.version
         move_to = target if target is not None and target != run_on else None
         if self._direct is not None and usable(self.module):
             values = self._run_direct(group, rows, run_on)
-            if stamp is not None:
-                values.append(stamp)
             if move_to is not None:
                 values = _to_device(values, move_to)
+            if self.cache is None and _by_row(group, values):
+                return self._row_pairs(values, rows, version)
+            if self.policy_version_key is not None:
+                values.append(torch.full((rows,), version, dtype=torch.long, device=move_to or run_on))
             return split_values(values, group, self._delivered)
         output = self._run_module(group, rows, run_on)
-        if stamp is not None:
-            output.set(self.policy_version_key, stamp)
         if move_to is not None:
             output = _to_device(output, move_to)
+        if self.policy_version_key is not None:
+            stamp = torch.full((rows,), version, dtype=torch.long, device=move_to or run_on)
+            output.set(self.policy_version_key, stamp)
         return self._collate.split(output, group, self._delivered)
+
+    def _row_pairs(self, values: list[torch.Tensor], rows: int, version: int) -> list[list[tuple[torch.Tensor, int]]]:
+        """Each request's outputs as ``(batch tensor, row)`` pairs (``Request.takes_rows``)."""
+        columns = [[(v, i) for i in range(rows)] for v in values]
+        if self.policy_version_key is not None:
+            stamped, stamp = self._stamp_row
+            if stamp is None or stamped != version:  # one row, made once per version, that every request copies
+                stamp = torch.tensor([version], dtype=torch.long)
+                self._stamp_row = (version, stamp)
+            columns.append([(stamp, 0)] * rows)
+        return columns
 
     def _run_direct(self, group: list[Request], rows: int, run_on: torch.device | None) -> list[Any]:
         tensors = self._collate.stack(group, rows)
@@ -613,6 +626,17 @@ def _before_fork() -> None:
 
 
 os.register_at_fork(before=_before_fork)
+
+
+def _by_row(group: list[Request], values: list[Any]) -> bool:
+    """Whether ``group`` may take its outputs as ``(batch tensor, row)`` pairs (see ``Request.takes_rows``)."""
+    for r in group:
+        if not r.takes_rows or r.batch_shape:
+            return False
+    for v in values:
+        if type(v) is not torch.Tensor or not v.is_cpu or not v.is_contiguous() or v.is_neg() or v.is_conj():
+            return False
+    return True
 
 
 def _to_device(values: Any, device: torch.device) -> Any:

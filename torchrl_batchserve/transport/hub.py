@@ -125,6 +125,7 @@ class ProcessRequest(Request):
     """A request from a worker process; its outputs go back through the client's slot."""
 
     __slots__ = ("client",)
+    takes_rows = True  # its outputs are copied into the client's slot at once
 
     def __init__(self, *args: Any, client: _Client) -> None:
         super().__init__(*args)
@@ -141,7 +142,15 @@ class ProcessRequest(Request):
             client.send(("done", _portable(err), None, None))
 
     def _reply(self, client: _Client) -> None:
-        values, rows, dims = list(self.values), self.rows, len(self.batch_shape)
+        values = self.values
+        if values and type(values[0]) is tuple:  # (batch tensor, row) pairs: Request.takes_rows
+            slot = client.outputs
+            if slot is not None and slot.fits_row(values):
+                slot.write_row(values)
+                client.send(None)
+                return
+            values = [v[i] for v, i in values]  # a new slot's first reply: its own views
+        values, rows, dims = list(values), self.rows, len(self.batch_shape)
         slot = client.outputs
         if slot is None or not slot.fits(values, rows, self.batch_shape):
             if not all(isinstance(v, torch.Tensor) for v in values):

@@ -111,6 +111,20 @@ class Slot:
                 return False
         return True
 
+    def fits_row(self, pairs: Sequence[tuple[torch.Tensor, int]]) -> bool:
+        """Whether row ``i`` of each ``(batch, i)`` in ``pairs`` (plain contiguous CPU tensors) fits one row."""
+        if len(pairs) != len(self.fields):
+            return False
+        for f, (batch, i) in zip(self.fields, pairs):
+            if batch.dtype is not f.dtype or batch.shape[1:] != f.feature or not 0 <= i < batch.shape[0]:
+                return False
+        return True
+
+    def write_row(self, pairs: Sequence[tuple[torch.Tensor, int]]) -> None:
+        """Copy row ``i`` of each ``(batch, i)`` (that :meth:`fits_row` accepted) into the first row."""
+        for (batch, i), (address, row_bytes) in zip(pairs, self._rows):
+            ctypes.memmove(address, batch.data_ptr() + i * row_bytes, row_bytes)
+
     def views(self, rows: int, batch_shape: Sequence[int]) -> list[torch.Tensor]:
         """Each field's first ``rows`` rows shaped ``(*batch_shape, *feature)``.
 
