@@ -76,3 +76,16 @@ def test_worker_process_clients_of_a_cuda_server():
         td = copy(TensorDict(observation=torch.ones(8)))
         assert td["logits"].device.type == "cpu"
     torch.testing.assert_close(td["logits"], reference(make_mlp(), torch.ones(8)), atol=1e-5, rtol=1e-4)
+
+
+def test_worker_process_clients_of_a_server_whose_outputs_stay_on_cuda():
+    # Device outputs are copied into the client's slot by torch (never by address).
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, device="cuda", output_device="cuda") as server:
+        copy = pickle.loads(pickle.dumps(server.remote_policy()))
+        tds = [copy(TensorDict(observation=torch.full((8,), float(i)))) for i in range(3)]
+    for i, td in enumerate(tds):
+        assert td["logits"].device.type == "cpu" and int(td["policy_version"]) == 0
+        torch.testing.assert_close(
+            td["logits"], reference(make_mlp(), torch.full((8,), float(i))), atol=1e-5, rtol=1e-4
+        )

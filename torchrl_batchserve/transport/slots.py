@@ -8,7 +8,8 @@ unmapped it or died. Nothing can leak, whatever kills whom.
 
 Writing a request's inputs (a worker) or a reply's outputs (the hub) into a
 slot is a ``memmove`` of the value's bytes when it is a plain, contiguous
-tensor without a lazy negation or conjugation, and a ``copy_`` otherwise.
+CPU tensor without a lazy negation or conjugation, and a ``copy_``
+otherwise.
 Both sides run on busy CPUs whose caches the other processes keep emptying;
 a ``memmove`` touches far less code than torch's copy (its dispatch and
 iterator setup), and the shape and dtype are the slot's by then.
@@ -148,6 +149,7 @@ class Slot:
         for view, value, (address, row_bytes) in zip(self.views(rows, batch_shape), values, self._rows):
             if (
                 type(value) is torch.Tensor
+                and value.is_cpu  # the hub's replies may come from a device: copy_ brings them over
                 and value.is_contiguous()
                 and not (value.is_neg() or value.is_conj())
                 and value.nbytes == rows * row_bytes  # exactly the rows written (copy_ says why not)
