@@ -187,13 +187,12 @@ class Layout:
             raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
         batch_shape = td.batch_size
         batch_dims = len(batch_shape)
-        values = _entries(
-            td,
-            self.keys,
-            lambda key, has: BadRequestError(
-                f"key {key!r}: missing; the policy reads {list(self.keys)}, the request has {has}"
-            ),
-        )
+        try:
+            values = _entries(td, self.keys)
+        except _Missing as missing:
+            raise BadRequestError(
+                f"key {missing.key!r}: missing; the policy reads {list(self.keys)}, the request has {missing.has}"
+            ) from None
         specs = self._specs
         if specs is None:
             specs = self._establish(values, batch_dims)
@@ -306,23 +305,31 @@ def layout_of(
         raise TypeError(
             f"input_spec must be a torchrl.data.Composite or a TensorDict (a sample request), got {type(spec).__name__}"
         )
-    values = _entries(
-        sample,
-        keys,
-        lambda key, has: ValueError(
-            f"input_spec has no entry {key!r}; the policy reads {list(keys)} from requests, the spec has {has}"
-        ),
-    )
+    try:
+        values = _entries(sample, keys)
+    except _Missing as missing:
+        raise ValueError(
+            f"input_spec has no entry {missing.key!r}; the policy reads {list(keys)} from requests, "
+            f"the spec has {missing.has}"
+        ) from None
     return _key_specs(keys, values, sample.batch_dims, variable_dims or {})
 
 
-def _entries(td: Any, keys: Sequence[Any], missing: Callable[[Any, list[str]], Exception]) -> list[Any]:
-    """``td``'s entry under each key; raises ``missing(key, the keys td has)`` for the first it lacks."""
+class _Missing(Exception):
+    """A key ``td`` lacks (``key``), and the keys it has (``has``); each caller words its own error."""
+
+    def __init__(self, key: Any, has: list[str]) -> None:
+        super().__init__(key)
+        self.key, self.has = key, has
+
+
+def _entries(td: Any, keys: Sequence[Any]) -> list[Any]:
+    """``td``'s entry under each key; raises :class:`_Missing` for the first it lacks."""
     values = []
     for key in keys:
         value = entry(td, key)
         if value is None:
-            raise missing(key, sorted(map(str, td.keys(True, True))))
+            raise _Missing(key, sorted(map(str, td.keys(True, True))))
         values.append(value)
     return values
 

@@ -545,21 +545,21 @@ class BatchedPolicyServer(TensorDictModule):
         target = self._output_device or source
         version = self._weights.version
         move_to = target if target is not None and target != run_on else None
+        stamped = self.policy_version_key is not None
         if self._direct is not None and usable(self.module):
             values = self._run_direct(group, rows, run_on)
             if move_to is not None:
                 values = _to_device(values, move_to)
             if self.cache is None and _by_row(group, values):
                 return self._row_pairs(values, rows, version)
-            if self.policy_version_key is not None:
-                values.append(torch.full((rows,), version, dtype=torch.long, device=move_to or run_on))
+            if stamped:
+                values.append(_stamp(rows, version, move_to or run_on))
             return split_values(values, group, self._delivered)
         output = self._run_module(group, rows, run_on)
         if move_to is not None:
             output = _to_device(output, move_to)
-        if self.policy_version_key is not None:
-            stamp = torch.full((rows,), version, dtype=torch.long, device=move_to or run_on)
-            output.set(self.policy_version_key, stamp)
+        if stamped:
+            output.set(self.policy_version_key, _stamp(rows, version, move_to or run_on))
         return self._collate.split(output, group, self._delivered)
 
     def _row_pairs(self, values: list[torch.Tensor], rows: int, version: int) -> list[list[tuple[torch.Tensor, int]]]:
@@ -626,6 +626,11 @@ def _before_fork() -> None:
 
 
 os.register_at_fork(before=_before_fork)
+
+
+def _stamp(rows: int, version: int, device: torch.device | None) -> torch.Tensor:
+    """The version of a batch's weights, one entry per row."""
+    return torch.full((rows,), version, dtype=torch.long, device=device)
 
 
 def _by_row(group: list[Request], values: list[Any]) -> bool:
