@@ -44,6 +44,16 @@ from torchrl_batchserve import BatchedPolicyServer, PackCollate, PadCollate
 FEATURES, MAX_LEN, BUCKETS = 16, 128, [16, 32, 64, 128]
 
 
+class Tally:
+    """A count that the server's copy of the policy shares with the original (deepcopy returns it)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __deepcopy__(self, memo: dict) -> Tally:
+        return self
+
+
 class TokenPool(nn.Module):
     """Per-token MLP, mean-pooled per sequence, then a linear head."""
 
@@ -52,15 +62,15 @@ class TokenPool(nn.Module):
         torch.manual_seed(0)
         self.token = nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
         self.head = nn.Linear(64, 8)
-        self.computed = 0  # tokens through the MLP, padding included
+        self.computed = Tally()  # tokens through the MLP, padding included
 
     def padded(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        self.computed += tokens.shape[0] * tokens.shape[1]
+        self.computed.value += tokens.shape[0] * tokens.shape[1]
         h = self.token(tokens) * mask.unsqueeze(-1)
         return self.head(h.sum(1) / mask.sum(1, keepdim=True))
 
     def packed(self, tokens: torch.Tensor, segment_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        self.computed += tokens.shape[0]
+        self.computed.value += tokens.shape[0]
         h = self.token(tokens)
         sums = h.new_zeros(len(offsets) - 1, h.shape[-1]).index_add_(0, segment_ids, h)
         return self.head(sums / offsets.diff().unsqueeze(-1))
@@ -136,7 +146,7 @@ def run_system(system: str, inputs: list[list[TensorDict]], args: Any) -> dict:
         "p99_ms": _pct(lat, 0.99),
         "mean_batch": mean_batch,
         "cpu_us": cpu / n * 1e6,
-        "overhead": net.computed / real,
+        "overhead": net.computed.value / real,
     }
 
 

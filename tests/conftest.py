@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -40,6 +41,12 @@ class GatedPolicy(TensorDictModuleBase):
         self.entered = threading.Event()
         self.batches: list[int] = []
         self._block_first = block_first
+
+    def __deepcopy__(self, memo):
+        # The server serves a copy: it gets its own weights but shares the gate and the record.
+        clone = type(self)(copy.deepcopy(self.net, memo), self._block_first)
+        clone.gate, clone.entered, clone.batches = self.gate, self.entered, self.batches
+        return clone
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         self.batches.append(td.batch_size[0])

@@ -144,10 +144,3 @@ def join_weight_group_then_hang(port: int, world: int, joined: Any) -> None:
     joined.set()
     while True:
         time.sleep(3600)
-
-
-def report_sleeper(results: Any) -> None:
-    """The id a forked child's thread gives to be hushed, and its native id."""
-    from torchrl_batchserve.wakeup import sleeper_id
-
-    results.put((sleeper_id(), threading.get_native_id()))

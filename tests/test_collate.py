@@ -7,6 +7,7 @@ first forward while the rest queue up.
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -66,6 +67,11 @@ class Gated(TensorDictModuleBase):
         self.gate, self.entered = threading.Event(), threading.Event()
         self.batches: list[TensorDictBase] = []
 
+    def __deepcopy__(self, memo):  # the served copy shares the gate and the record
+        clone = type(self)(copy.deepcopy(self.policy, memo))
+        clone.gate, clone.entered, clone.batches = self.gate, self.entered, self.batches
+        return clone
+
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         self.batches.append(td.copy())
         if len(self.batches) == 1:
@@ -121,10 +127,7 @@ def test_padded_results_equal_each_request_alone(buckets):
 
 
 def test_mask_marks_exactly_the_real_elements():
-    seen = []
-
     def record(tokens, mask):
-        seen.append((tokens.clone(), mask.clone()))
         return tokens.sum(-1)
 
     policy = TensorDictModule(record, in_keys=["tokens", "mask"], out_keys=["s"])
@@ -132,7 +135,7 @@ def test_mask_marks_exactly_the_real_elements():
     tds = [TensorDict(tokens=torch.ones(n, 2)) for n in (2, 5, 1)]
     with BatchedPolicyServer(gated, collate=PadCollate(["tokens"], pad_values={"tokens": -1}), timeout=1e6) as server:
         serve_held(server, gated, tds[0], tds[1:])
-    tokens, mask = seen[1]  # the batch of the two queued requests
+    tokens, mask = gated.batches[1]["tokens"], gated.batches[1]["mask"]  # the batch of the two queued requests
     assert mask.tolist() == [[True] * 5, [True, False, False, False, False]]
     assert bool((tokens[~mask] == -1).all()) and bool((tokens[mask] == 1).all())
 

@@ -92,7 +92,7 @@ def test_a_server_node_resolves_its_interpolations_in_its_recipe():
     recipe.server.input_spec = {"observation": {"shape": ["${obs}"]}}
     policy = TensorDictModule(torch.nn.Linear(5, 2), in_keys=["observation"], out_keys=["logits"])
     server = build_server(recipe.server, policy)
-    assert server.max_batch_size == 12 and server._layout.specs[0].shape == (5,)
+    assert server.max_batch_size == 12 and server._intake.layout.specs[0].shape == (5,)
     server.close()
 
 

@@ -11,7 +11,6 @@ import queue
 import socket
 import threading
 import time
-from multiprocessing.connection import Connection
 
 import process_workers as pw
 import pytest
@@ -165,8 +164,6 @@ class _Transposed(nn.Module):
 
 @pytest.mark.parametrize("module", ["plain", "transposed"])
 def test_single_row_replies_carry_each_rows_outputs_and_the_version_served(module):
-    # Single-row worker requests take their outputs as (batch, row) pairs copied straight into their
-    # slots, with a stamp row kept per version; outputs that are not plain contiguous tensors take views.
     net = pw.make_net() if module == "plain" else _Transposed()
     out_keys = ["logits"] if module == "plain" else ["logits", "action"]
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=out_keys)
@@ -207,58 +204,9 @@ def test_close_leaves_no_thread_of_the_hub_behind():
     assert [t.name for t in threads if t.is_alive()] == []  # joined by close, not left blocked in accept()
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
-def test_the_hub_hushes_a_client_before_its_reply_and_the_client_gets_its_policy_back(monkeypatch):
-    import torchrl_batchserve.transport.hub as hub_module
-    from torchrl_batchserve.wakeup import hush
-
-    hushed = []
-
-    def spy(tid):
-        done = hush(tid)
-        hushed.append((tid, os.sched_getscheduler(tid)))
-        return done
-
-    monkeypatch.setattr(hub_module, "hush", spy)
-    policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
-    with BatchedPolicyServer(policy) as server:
-        client = pickle.loads(pickle.dumps(server.remote_policy()))  # a process client of this process
-        seen = {}
-
-        def call():
-            seen["tid"] = threading.get_native_id()
-            seen["td"] = client(TensorDict(observation=torch.ones(8)))
-            seen["after"] = os.sched_getscheduler(0)
-
-        caller = threading.Thread(target=call)
-        caller.start()
-        caller.join(timeout=30)
-        assert not caller.is_alive()
-        assert hushed == [(seen["tid"], os.SCHED_BATCH)] and seen["after"] == os.SCHED_OTHER
-        # An id that names no thread of the client's process is never hushed (e.g. one from another PID namespace).
-        (hub_client,) = server._hub._clients.values()
-        hub_client.waits_in(1)
-        assert hub_client.sleeper == 0
-        with torch.no_grad():
-            torch.testing.assert_close(seen["td"]["logits"], policy.module(torch.ones(8)))
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
-def test_a_forked_child_names_its_own_thread_to_be_hushed():
-    from torchrl_batchserve.wakeup import sleeper_id
-
-    assert sleeper_id() == threading.get_native_id()  # asked once here, then kept
-    results = mp.get_context("fork").Queue()
-    child = mp.get_context("fork").Process(target=pw.report_sleeper, args=(results,))
-    child.start()
-    theirs, their_thread = report(results, [child])
-    child.join(30)
-    assert theirs == their_thread != threading.get_native_id()
-
-
 def test_the_hub_fires_timeouts_for_the_requests_it_queued():
     # Two clients are known; while one stays away, the other's requests can
-    # only run on timeout, which the hub keeps (their arrival wakes nobody).
+    # only run on timeout.
     policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy, timeout=0.02) as server:
         remote = server.remote_policy()
@@ -297,7 +245,7 @@ def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
 
 def test_a_slot_offered_to_a_worker_already_gone_leaks_no_descriptor():
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    client = _Client(Connection(here.detach()), ident=1)
+    client = _Client(here, ident=1)
     there.close()
     client.alive = False  # a reply found the worker gone
     slot, fd = Slot.create([("logits", torch.float32, (2,))], 1)

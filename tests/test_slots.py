@@ -38,7 +38,6 @@ def test_fits_takes_the_slots_shapes_and_dtypes_only(slot, batch_shape):
     assert not slot.fits([x.unsqueeze(0), z, n], rows, batch_shape)  # another batch shape
     assert not slot.fits([x.to_sparse(), z, n], rows, batch_shape)  # not strided
     assert not slot.fits([x.tolist(), z, n], rows, batch_shape)  # not a tensor
-    assert slot.fits(good, rows, batch_shape)  # the shapes kept for the last batch shape still answer right
     assert not slot.fits(values(8, (8,)), 8, (8,))  # more rows than the slot holds
 
 
@@ -55,7 +54,7 @@ def test_write_copies_every_kind_of_tensor_as_its_values(slot):
     for kind, given in kinds.items():
         assert slot.fits(given, 4, (4,)), kind
         slot.write(given, 4, (4,))
-        for got, want in zip(slot.read(4, (4,), clone=True), given):
+        for got, want in zip(slot.read(4, (4,)), given):
             assert torch.equal(got, want.resolve_conj().resolve_neg()), kind
 
 
@@ -63,11 +62,11 @@ def test_write_and_read_a_part_of_the_rows(slot):
     given = values(2, (2,))
     slot.write(values(4, (4,)), 4, (4,))
     slot.write(given, 2, (2,))
-    for got, want in zip(slot.read(2, (2,), clone=False), given):
+    for got, want in zip(slot.read(2, (2,)), given):
         assert torch.equal(got, want)
     single = values(1, ())
     slot.write(single, 1, ())
-    for got, want in zip(slot.read(1, (), clone=True), single):
+    for got, want in zip(slot.read(1, ()), single):
         assert got.shape == want.shape and torch.equal(got, want)
 
 

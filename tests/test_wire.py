@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import threading
-from multiprocessing.connection import Connection
 
 import pytest
 
-from torchrl_batchserve.transport.wire import DONE, DONE_FRAME, Wire, frame
+from torchrl_batchserve.transport.wire import Wire, frame
 
 
 @pytest.fixture
 def wires():
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    ends = Wire(Connection(a.detach())), Wire(Connection(b.detach()))
+    ends = Wire(a), Wire(b)
     yield ends
     for end in ends:
         end.close()
@@ -61,9 +61,11 @@ def test_a_closed_peer_ends_a_waiting_recv_with_eof(wires):
         right.recv()
 
 
-def test_the_common_reply_is_read_as_itself_alone_or_among_others(wires):
+def test_a_frame_that_does_not_unpickle_raises_and_the_frames_after_it_still_arrive(wires):
     left, right = wires
-    left.send_frame(DONE_FRAME)
-    assert right.read() == [DONE]  # returned without unpickling
-    left.send_frame(DONE_FRAME + frame(("closed",)) + DONE_FRAME)  # one read, three frames
-    assert [right.recv(), right.recv(), right.recv()] == [DONE, ("closed",), DONE]
+    bad = b"\x00\x00\x00\x03abc"  # a whole frame whose payload is not a pickle
+    left.sock.sendall(bad + frame(("after",)))
+    with pytest.raises(pickle.UnpicklingError):
+        right.read()
+    left.send(("later",))
+    assert right.recv() == ("later",)

@@ -1,6 +1,6 @@
 """torchrl_batchserve: an auto-batching policy server for TorchRL.
 
-Many actors (threads, asyncio tasks) each ask a policy for one TensorDict at a
+Many actors (threads, asyncio tasks, worker processes) each ask a policy for one TensorDict at a
 time; one :class:`BatchedPolicyServer` gathers their requests into batches,
 runs one forward on the policy's device and hands every actor its own rows.
 """
@@ -11,6 +11,8 @@ from torchrl_batchserve.distributed import WeightBroadcaster, WeightReceiver
 from torchrl_batchserve.errors import (
     BadRequestError,
     BatchServeError,
+    ForwardTimeoutError,
+    PolicyError,
     QueueFullError,
     ServerBrokenError,
     ServerClosedError,
@@ -19,7 +21,7 @@ from torchrl_batchserve.errors import (
 from torchrl_batchserve.queue import FireReason
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
-from torchrl_batchserve.stats import ServerStatistics
+from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics
 from torchrl_batchserve.varlen import LengthCost, PackCollate, PadCollate
 from torchrl_batchserve.weight_sync import BatchServeWeightSyncScheme, weight_updater
 
@@ -33,12 +35,15 @@ __all__ = [
     "Collate",
     "EvaluationCache",
     "FireReason",
+    "ForwardTimeoutError",
     "FunctionCollate",
     "LengthCost",
     "PackCollate",
     "PadCollate",
+    "PolicyError",
     "QueueFullError",
     "RemotePolicy",
+    "ReplicaStatistics",
     "ServerBrokenError",
     "ServerClosedError",
     "ServerStatistics",

@@ -10,7 +10,10 @@ for it, tagged with the weight version that computed them:
   version is the newest the server has been given: a weight update never
   serves a stale evaluation and needs no flush;
 * identical single rows already queued or in flight share one computed row
-  (coalescing): the first is the *leader*, the others wait on it;
+  (coalescing): the first is the *leader*, the others wait on it; a row
+  joins a leader only if no weights were staged since the leader was
+  admitted, so a request never gets a version older than the newest one
+  staged before it was submitted;
 * memory is bounded: least recently used entries go first.
 
 The server calls :meth:`admit` at submit and :meth:`complete` /
@@ -92,7 +95,7 @@ class EvaluationCache:
         self.key_fn = key_fn
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, tuple[int, tuple[Any, ...]]] = OrderedDict()
-        self._leaders: dict[Hashable, Request] = {}
+        self._leaders: dict[Hashable, tuple[Request, int]] = {}  # key -> (leader, version staged at its admission)
         self._followers: dict[int, list[Request]] = {}  # id(leader) -> followers
         self.hits = self.misses = self.coalesced = 0
 
@@ -136,12 +139,12 @@ class EvaluationCache:
                     return HIT, [_clone(v) for v in found[0]]
                 return HIT, [_stack(column, request.batch_shape) for column in zip(*found)]
             if not request.batch_shape:
-                leader = self._leaders.get(keys[0])
-                if leader is not None:
-                    self._followers.setdefault(id(leader), []).append(request)
+                lead = self._leaders.get(keys[0])
+                if lead is not None and lead[1] == version:
+                    self._followers.setdefault(id(lead[0]), []).append(request)
                     self.coalesced += 1
                     return JOINED, None
-                self._leaders[keys[0]] = request
+                self._leaders[keys[0]] = (request, version)
             self.misses += 1
             return LEAD, None
 
@@ -171,11 +174,13 @@ class EvaluationCache:
     def promote(self, leader: Request) -> Request | None:
         """``leader`` was cancelled: its first follower leads the others instead."""
         with self._lock:
+            lead = self._leaders.get(leader.cache_keys[0])  # type: ignore[index]
             followers = self._detach(leader)
             if not followers:
                 return None
             head, rest = followers[0], followers[1:]
-            self._leaders[head.cache_keys[0]] = head  # type: ignore[index]
+            if lead is not None and lead[0] is leader:
+                self._leaders[head.cache_keys[0]] = (head, lead[1])  # type: ignore[index]
             if rest:
                 self._followers[id(head)] = rest
             return head
@@ -191,7 +196,8 @@ class EvaluationCache:
 
     def _detach(self, leader: Request) -> list[Request]:
         key = leader.cache_keys[0]  # type: ignore[index]
-        if self._leaders.get(key) is leader:
+        lead = self._leaders.get(key)
+        if lead is not None and lead[0] is leader:
             del self._leaders[key]
         return self._followers.pop(id(leader), [])
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_non_tensor
 
+from torchrl_batchserve.errors import PolicyError
 from torchrl_batchserve.request import Request
 
 __all__ = ["Collate", "FunctionCollate", "StackCollate", "as_collate", "split_rows", "split_values"]
@@ -52,7 +53,7 @@ def split_rows(output: TensorDictBase, requests: Sequence[Request], keys: Sequen
     for key in keys:
         value = output.get(key, None)
         if value is None:
-            raise KeyError(f"the policy output has no entry {key!r} (its out_keys promise it)")
+            raise PolicyError(f"out_key {key!r}: missing from the policy output (its out_keys promise it)")
         values.append(value)
     return split_values(values, requests, keys)
 
@@ -69,7 +70,7 @@ def split_values(values: Sequence[Any], requests: Sequence[Request], keys: Seque
             columns.append(_split_non_tensor(value, requests, total))
             continue
         if not value.shape or value.shape[0] != total:
-            raise RuntimeError(
+            raise PolicyError(
                 f"the policy output {key!r} has shape {tuple(value.shape)}; "
                 f"its leading dim must be the batch's {total} rows"
             )
@@ -92,7 +93,7 @@ def split_values(values: Sequence[Any], requests: Sequence[Request], keys: Seque
 def _split_non_tensor(value: Any, requests: Sequence[Request], total: int) -> list[Any]:
     items = value.tolist() if hasattr(value, "tolist") else list(value)
     if len(items) != total:
-        raise RuntimeError(f"a non-tensor output holds {len(items)} items for {total} rows")
+        raise PolicyError(f"a non-tensor output holds {len(items)} items for {total} rows")
     column, start = [], 0
     for request in requests:
         chunk = items[start : start + request.rows]

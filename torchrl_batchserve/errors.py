@@ -6,12 +6,16 @@ say what they handle::
     BatchServeError
     ├── ServerClosedError      the server was closed before the request ran
     ├── ServerBrokenError      the serve loop died; nothing more will be served
+    │   └── ForwardTimeoutError   a forward ran past forward_timeout
     ├── BadRequestError        this request can never be served (key, shape, dtype, ...)
     ├── QueueFullError         max_queue_size rows are already waiting
+    ├── PolicyError            the policy broke its contract (missing out_key, wrong rows, ...)
     └── WeightSyncError        a weight update was rejected; the old weights stay
 
 A policy that raises during a batch is not wrapped: every caller of that batch
-gets the policy's own exception, as from ``policy(batch)``.
+gets the policy's own exception, as from ``policy(batch)``. Every path
+(thread, asyncio task, worker process) raises the same class for the same
+failure.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 __all__ = [
     "BadRequestError",
     "BatchServeError",
+    "ForwardTimeoutError",
+    "PolicyError",
     "QueueFullError",
     "ServerBrokenError",
     "ServerClosedError",
@@ -38,12 +44,20 @@ class ServerBrokenError(BatchServeError):
     """The serve loop died unexpectedly; its cause is chained as ``__cause__``."""
 
 
+class ForwardTimeoutError(ServerBrokenError):
+    """A forward ran longer than ``forward_timeout``; the server is broken from then on."""
+
+
 class BadRequestError(BatchServeError, ValueError):
     """A request that cannot be served: it names the key, the rule and the value."""
 
 
 class QueueFullError(BatchServeError):
     """``max_queue_size`` rows are already queued; retry later or raise the bound."""
+
+
+class PolicyError(BatchServeError):
+    """The policy's output breaks its contract: it names the key, what was expected and what came."""
 
 
 class WeightSyncError(BatchServeError):

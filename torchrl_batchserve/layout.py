@@ -3,9 +3,12 @@
 The layout of the policy's in_keys (dtype, feature shape after the batch
 dimensions, device) is fixed by the first accepted request, or given up front
 (:func:`layout_of`: from a TorchRL ``Composite`` spec or a sample TensorDict).
-It is provisional until a batch built on it has run: if that first batch fails,
-the layout is forgotten, so one malformed first request cannot lock every later
-one out. A collate transform can declare keys it writes itself
+Until a batch has been served successfully there is no layout: each request
+is checked on its own (kinds, odd tensors) and carries its own layout to the
+serve loop, which runs each layout as its own forward; the first layout served
+successfully becomes the server's (:meth:`Layout.confirm`). A layout is thus
+learned only from requests that were served, and a malformed request can
+never lock the correct ones out. A collate transform can declare keys it writes itself
 (``provided_keys``) and feature dims that may vary between requests
 (``variable_dims``, e.g. the sequence length that a padding collate pads),
 and a ``check`` of its own for what the layout cannot express (e.g. that the
@@ -24,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from tensordict import TensorDict, TensorDictBase, is_non_tensor
+from tensordict import TensorDictBase, is_non_tensor
 
 from torchrl_batchserve.errors import BadRequestError
 
@@ -78,13 +81,15 @@ class Validated(NamedTuple):
     batch_shape: torch.Size
     device: torch.device | None
     cost: int = 0
+    layout: tuple[KeySpec, ...] | None = None  # the request's own, while the server has none confirmed
 
 
 def entry(td: TensorDictBase, key: Any) -> Any:
-    """``td.get(key, None)``; for a plain TensorDict and a string key, without ``get``'s key parsing."""
-    if type(key) is str and type(td) is TensorDict:
-        return td._get_str(key, None)
-    return td.get(key, None)
+    """``td.get(key, None)``, with a read that fails (a lazy stack of differing shapes) as a bad request."""
+    try:
+        return td.get(key, None)
+    except (RuntimeError, ValueError) as err:
+        raise BadRequestError(f"key {key!r}: cannot be read as one batched entry ({err})") from None
 
 
 class Layout:
@@ -108,8 +113,11 @@ class Layout:
         >>> from tensordict import TensorDict
         >>> from torchrl_batchserve.layout import Layout
         >>> layout = Layout(["obs"])
-        >>> layout.check(TensorDict(obs=torch.zeros(4))).rows
-        1
+        >>> first = layout.check(TensorDict(obs=torch.zeros(4)))
+        >>> first.rows, layout.specs is None  # nothing served yet: the request carries its own layout
+        (1, True)
+        >>> layout.confirm(first.layout)  # a batch of that layout was served
+        True
         >>> layout.check(TensorDict(obs=torch.zeros(3, 4), batch_size=[3])).rows
         3
         >>> layout.check(TensorDict(obs=torch.zeros(5)))  # doctest: +ELLIPSIS
@@ -132,57 +140,16 @@ class Layout:
         self._cost_fn = cost_fn
         self._max_cost = max_cost
         self._variable = {key: tuple(dims) for key, dims in (variable_dims or {}).items()}
-        self._specs: tuple[KeySpec, ...] | None = None
-        self._plain: tuple[tuple[str, torch.dtype, tuple, torch.device | None], ...] | None = None
-        self._set_specs(tuple(specs) if specs is not None else None)
-        self._confirmed = specs is not None
+        self._specs: tuple[KeySpec, ...] | None = tuple(specs) if specs is not None else None
         self._lock = threading.Lock()
 
     @property
     def specs(self) -> tuple[KeySpec, ...] | None:
+        """The confirmed layout, or ``None`` until a batch has been served."""
         return self._specs
-
-    def _set_specs(self, specs: tuple[KeySpec, ...] | None) -> None:
-        self._specs = specs
-        # The common request, one observation of fixed-size tensors under
-        # string keys, is checked by a loop over plain tuples (~1 us, a third
-        # of the general path); anything it does not accept takes that path,
-        # which also words the errors.
-        plain = None
-        if specs is not None and self._check is None and self._cost_fn is None:
-            plain = tuple(
-                (key, spec.dtype, spec.shape, spec.device)
-                for key, spec in zip(self.keys, specs)
-                if type(key) is str and spec.dtype is not None and spec.shape is not None and None not in spec.shape
-            )
-            if len(plain) != len(specs):
-                plain = None
-        self._plain = plain
 
     def check(self, td: Any) -> Validated:
         """Validate ``td`` and return its inputs; raise :class:`BadRequestError`."""
-        plain = self._plain
-        # The common request, a plain TensorDict of one row, is read through
-        # its attributes (each public property is one more Python call) and
-        # answered with a tuple made in C (a namedtuple's __new__ is Python).
-        if plain is not None and type(td) is TensorDict and not td._batch_size:
-            values = []
-            device = None
-            for key, dtype, shape, device in plain:
-                value = td._get_str(key, None)
-                if not (
-                    isinstance(value, torch.Tensor)
-                    and value.dtype == dtype
-                    and value.shape == shape
-                    and value.device == device
-                ):
-                    break
-                values.append(value)
-            else:
-                td_device = td._device
-                return tuple.__new__(
-                    Validated, (tuple(values), 1, td._batch_size, device if td_device is None else td_device, 0)
-                )
         if not isinstance(td, TensorDictBase):
             raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
         batch_shape = td.batch_size
@@ -193,9 +160,12 @@ class Layout:
             raise BadRequestError(
                 f"key {missing.key!r}: missing; the policy reads {list(self.keys)}, the request has {missing.has}"
             ) from None
+        own = None
         specs = self._specs
-        if specs is None:
-            specs = self._establish(values, batch_dims)
+        if specs is None:  # nothing served yet: the request's own layout, which the serve loop groups by
+            for key, value in zip(self.keys, values):
+                _check_plain(key, value)
+            specs = own = _key_specs(self.keys, values, batch_dims, self._variable)
         device = None
         for key, value, spec in zip(self.keys, values, specs):
             if not isinstance(value, torch.Tensor):
@@ -212,6 +182,7 @@ class Layout:
                 continue  # non-tensor data (e.g. a string) travels as is
             if spec.dtype is None:
                 raise BadRequestError(f"key {key!r}: expected {_an(spec.kind)}, got a tensor")
+            _check_plain(key, value)
             if value.dtype != spec.dtype:
                 raise BadRequestError(f"key {key!r}: expected dtype {spec.dtype}, got {value.dtype}")
             feature = value.shape[batch_dims:]
@@ -236,7 +207,7 @@ class Layout:
         if td.device is not None:
             device = td.device
         cost = 0 if self._cost_fn is None else self._cost(td)
-        return Validated(tuple(values), rows, batch_shape, device, cost)
+        return Validated(tuple(values), rows, batch_shape, device, cost, own)
 
     def _cost(self, td: TensorDictBase) -> int:
         cost = self._cost_fn(td)  # type: ignore[misc]
@@ -248,22 +219,15 @@ class Layout:
             raise BadRequestError(f"the request costs {cost} (cost_fn), more than max_batch_cost={self._max_cost}")
         return cost
 
-    def confirm(self) -> None:
-        """A batch built on this layout ran: keep it for good."""
-        self._confirmed = True
+    def confirm(self, specs: tuple[KeySpec, ...]) -> bool:
+        """A batch of layout ``specs`` was served: it is the layout from now on (the first one wins).
 
-    def forget_unconfirmed(self) -> None:
-        """The first batch failed: let the next request fix the layout again."""
-        with self._lock:
-            if not self._confirmed:
-                self._set_specs(None)
-
-    def _establish(self, values: list[Any], batch_dims: int) -> tuple[KeySpec, ...]:
-        specs = _key_specs(self.keys, values, batch_dims, self._variable)
+        Returns whether ``specs`` is the confirmed layout.
+        """
         with self._lock:
             if self._specs is None:
-                self._set_specs(specs)
-            return self._specs  # type: ignore[return-value]
+                self._specs = specs
+            return self._specs == specs
 
     def _shape_matches(self, key: Any, feature: torch.Size, expected: tuple[int | None, ...] | None) -> bool:
         if expected is None:
@@ -271,6 +235,15 @@ class Layout:
         if key not in self._variable:
             return feature == expected
         return len(feature) == len(expected) and all(e is None or e == f for f, e in zip(feature, expected))
+
+
+def _check_plain(key: Any, value: Any) -> None:
+    """Refuse tensors that no collate can batch: sparse, nested (jagged) and other non-strided layouts."""
+    if isinstance(value, torch.Tensor) and (value.layout is not torch.strided or value.is_nested):
+        raise BadRequestError(
+            f"key {key!r}: expected a dense (strided) tensor, got layout {value.layout}"
+            + (" (a nested tensor)" if value.is_nested else "")
+        )
 
 
 def layout_of(

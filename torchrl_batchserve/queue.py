@@ -22,23 +22,11 @@ request is split across forwards only when it alone exceeds ``max_batch_size``
 (the server does that; a request whose cost alone exceeds ``max_batch_cost`` is
 refused before it is queued).
 
-Who runs a batch: one batch runs at a time (the *serving* token, held under
-the queue's lock). When a caller's own request makes the rule fire and no
-batch is running, :meth:`RequestQueue.put` may hand that caller the batch to
-run in its own thread, so no thread is woken on the critical path (a wake-up
-costs tens of microseconds). The event loop thread of asyncio callers takes
-any such batch. A blocking thread takes it only when it runs by itself
-(``solo_only``: its request alone makes the batch, and it was alone in the
-last batch too); with other callers around, the worker runs the batch, and
-its forward overlaps their Python work instead of holding them all until the
-batch is done. Otherwise the worker runs it; the worker is woken only when a
-rule may have become true, not per request.
-
-Who keeps the time: the worker, woken when a request enters an empty queue.
-A caller that waits for events anyway can keep it instead (``keeps_time``:
-the hub of worker processes sleeps in ``epoll`` until the next message or
-the oldest request's timeout, whichever comes first, and then asks
-:meth:`RequestQueue.take_due`); its requests then wake nobody on arrival.
+Who runs a batch: only the server's serve loops, one per replica, each
+taking batches with :meth:`RequestQueue.take_batch`; at most one batch per
+replica runs at a time. No caller ever runs a batch in its own thread. The
+serve loop is woken when a rule may have become true (a request enters an
+empty queue, a batch fills, every caller waits), not per request.
 """
 
 from __future__ import annotations
@@ -51,7 +39,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from torchrl_batchserve.errors import QueueFullError, ServerBrokenError, ServerClosedError
+from torchrl_batchserve.errors import BadRequestError, QueueFullError, ServerBrokenError, ServerClosedError
 from torchrl_batchserve.request import Request
 
 __all__ = ["FireReason", "RequestQueue"]
@@ -75,9 +63,9 @@ class RequestQueue:
         max_queue_size: the most rows that may be queued; ``None`` for no bound.
         max_batch_cost: the most total ``Request.cost`` a batch may hold;
             ``None`` for no bound.
+        runners: how many batches may run at once (one per replica).
 
     Examples:
-        >>> import torch
         >>> from torchrl_batchserve.queue import RequestQueue
         >>> q = RequestQueue(max_batch_size=2, timeout=10.0)
         >>> class R:  # anything with rows, cost, caller and enqueued_at
@@ -95,48 +83,40 @@ class RequestQueue:
         timeout: float,
         max_queue_size: int | None = None,
         max_batch_cost: int | None = None,
+        runners: int = 1,
     ) -> None:
         self._max_batch_size = max_batch_size
         self._max_batch_cost = math.inf if max_batch_cost is None else max_batch_cost
         self._timeout = timeout
         self._max_queue_size = max_queue_size
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(threading.Lock())
         self._items: deque[Request] = deque()
         self._rows = 0
         self._cost = 0
         self._idle: set[Any] = set()
         self._queued_by_caller: dict[Any, int] = {}
         self._closed = False
-        self._serving = False
-        self._solo: Any = None  # the only caller of the last batch, if it had one
+        self._runners = runners
+        self._free = runners  # runners not serving a batch now
         self._broken: BaseException | None = None
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def put(
-        self, request: Request, may_serve: bool = False, solo_only: bool = False, keeps_time: bool = False
-    ) -> tuple[list[Request], FireReason] | None:
-        """Enqueue ``request``, or raise at once if it can never be served.
-
-        With ``may_serve`` (a caller that waits anyway), returns a batch for
-        the caller to run itself when the rule fires now and no batch is
-        running; it must then call :meth:`done_serving`. With ``solo_only``
-        too, only when ``request`` alone makes the batch and its caller was
-        the only caller of the last batch. With ``keeps_time``, the caller
-        undertakes to call :meth:`take_due` again when the oldest request's
-        timeout is due (:meth:`take_due` says in how long), so the worker is
-        not woken to start the clock.
-        """
-        with self._lock:  # the bare lock: a Condition's `with` is Python code, and put runs per request
+    def put(self, request: Request) -> None:
+        """Enqueue ``request``, or raise at once if it can never be served (closed, broken, too big, full)."""
+        with self._cond:
             if self._closed:
                 raise self._closed_error()
-            if self._max_queue_size is not None and self._rows + request.rows > self._max_queue_size:
+            bound = self._max_queue_size
+            if bound is not None and self._rows + request.rows > bound:
+                if request.rows > bound:
+                    raise BadRequestError(
+                        f"the request has {request.rows} rows, more than max_queue_size={bound}: it can never be queued"
+                    )
                 raise QueueFullError(
-                    f"max_queue_size={self._max_queue_size} rows: {self._rows} are queued, "
-                    f"the request adds {request.rows}"
+                    f"max_queue_size={bound} rows: {self._rows} are queued, the request adds {request.rows}"
                 )
             was_empty = not self._items
             self._items.append(request)
@@ -145,72 +125,44 @@ class RequestQueue:
             caller = request.caller
             self._queued_by_caller[caller] = self._queued_by_caller.get(caller, 0) + 1
             self._idle.discard(caller)
-            if self._serving:
-                return None  # done_serving() looks at the queue next
-            if self._full():
-                reason = FireReason.FULL
-            elif not self._idle:
-                reason = FireReason.ALL_WAITING
-            else:
-                if was_empty and not keeps_time:
-                    self._cond.notify()  # start the worker's timeout clock
-                return None
-            if may_serve and (not solo_only or (len(self._items) == 1 and caller == self._solo)):
-                self._serving = True
-                return self._pop(), reason
-            self._cond.notify()
-            return None
+            # Wake a serve loop only when a rule may have become true: the
+            # queue was empty (start the timeout clock), the batch is full,
+            # or every caller now waits.
+            if self._free and (was_empty or self._full() or not self._idle):
+                self._cond.notify()
 
     def waiting(self, caller: Any) -> None:
         """``caller`` now waits on a request outside the queue (a coalesced row)."""
         with self._cond:
             if caller in self._idle:
                 self._idle.discard(caller)
-                if not self._idle and self._items and not self._serving:
+                if not self._idle and self._items and self._free:
                     self._cond.notify()  # all_waiting may hold now
 
     def take_batch(self) -> tuple[list[Request], FireReason] | None:
-        """Block until the rule fires and no batch runs; return the batch and why.
+        """Block until the rule fires and a runner is free; return the batch and why.
 
-        The caller holds the serving token until :meth:`done_serving`.
+        The caller runs the batch and then calls :meth:`done_serving`.
         Returns ``None`` once the queue is closed and empty.
         """
         with self._cond:
             while True:
-                if self._items and not self._serving:
-                    taken = self._take()
-                    if isinstance(taken, tuple):
-                        return taken
-                    self._cond.wait(taken)
+                if self._items and self._free:
+                    reason = self._rule()
+                    if isinstance(reason, FireReason):
+                        self._free -= 1
+                        batch = self._pop()
+                        if self._items and self._free:
+                            self._cond.notify()  # another runner may take what is left
+                        return batch, reason
+                    self._cond.wait(reason)
                     continue
-                if self._closed and not self._items and not self._serving:
+                if self._closed and not self._items:
                     return None
                 self._cond.wait()
 
-    def take_due(self) -> tuple[list[Request], FireReason] | float | None:
-        """Without blocking: the batch if the rule fires now (the caller then
-        holds the serving token), else the seconds until the oldest queued
-        request's timeout; ``None`` when nothing is queued or a batch runs
-        (whoever serves it looks at the queue next).
-        """
-        with self._cond:
-            if not self._items or self._serving:
-                return None
-            return self._take()
-
-    def _take(self) -> tuple[list[Request], FireReason] | float:
-        """The batch and why, taking the serving token, if the rule fires; else the seconds until it may.
-
-        Called with the lock held, requests queued and no batch running.
-        """
-        reason = self._rule()
-        if not isinstance(reason, FireReason):
-            return reason
-        self._serving = True
-        return self._pop(), reason
-
     def _rule(self) -> FireReason | float:
-        """Why the queued requests run now, or the seconds until they time out (see :meth:`_take`)."""
+        """Why the queued requests run now, or the seconds until they time out."""
         if self._full():
             return FireReason.FULL
         if self._closed:
@@ -220,25 +172,22 @@ class RequestQueue:
         remaining = self._items[0].enqueued_at + self._timeout - time.monotonic()
         if remaining > 0:
             return remaining
-        self._idle.clear()
+        self._idle.clear()  # callers that did not come back are forgotten
         return FireReason.TIMEOUT
 
     def done_serving(self, callers: Iterable[Any]) -> None:
-        """Release the serving token; ``callers`` were just served (call before waking them)."""
+        """A runner is free again; ``callers`` were just served (call before waking them)."""
         with self._cond:
-            self._serving = False
-            served = set(callers)
-            self._solo = next(iter(served)) if len(served) == 1 else None
-            queued = self._queued_by_caller
-            self._idle.update(served.difference(queued))  # served callers with nothing queued
+            self._free = min(self._free + 1, self._runners)
+            self._idle.update(set(callers).difference(self._queued_by_caller))  # served, nothing queued
             if self._items or self._closed:
                 self._cond.notify()
 
     def close(self, cancel_pending: bool = False) -> list[Request]:
         """Refuse new requests; return the queued ones if ``cancel_pending``.
 
-        Without ``cancel_pending`` the queued requests stay for the worker,
-        which serves them at once (``closing``) and then stops.
+        Without ``cancel_pending`` the queued requests stay for the serve
+        loops, which serve them at once (``closing``) and then stop.
         """
         with self._cond:
             self._closed = True
@@ -250,7 +199,8 @@ class RequestQueue:
         """Mark the queue broken by ``cause`` and return every queued request."""
         with self._cond:
             self._closed = True
-            self._broken = cause
+            if self._broken is None:
+                self._broken = cause
             pending = self._drain()
             self._cond.notify_all()
         return pending
@@ -260,7 +210,7 @@ class RequestQueue:
 
     def _closed_error(self) -> ServerClosedError | ServerBrokenError:
         if self._broken is not None:
-            error = ServerBrokenError(f"the serve loop died: {self._broken!r}")
+            error = ServerBrokenError(f"the server is broken: {self._broken!r}")
             error.__cause__ = self._broken
             return error
         return ServerClosedError("the server is closed and accepts no more requests")

@@ -6,10 +6,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase, dispatch
-
-from torchrl_batchserve.direct import has_hooks
 
 __all__ = ["RemotePolicy"]
 
@@ -55,15 +53,6 @@ class RemotePolicy(TensorDictModuleBase):
         self.in_keys = list(in_keys)
         self.out_keys = list(out_keys)
         self._endpoint = endpoint
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The common call, remote(td) with no hooks, skips nn.Module's and
-        # tensordict's dispatch (~15 us a call); anything else goes through them.
-        if len(args) == 1 and not kwargs and not has_hooks(self):
-            td = args[0]
-            if type(td) is TensorDict or isinstance(td, TensorDictBase):  # an ABC's isinstance is Python code
-                return self._endpoint.call(td)
-        return super().__call__(*args, **kwargs)
 
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:

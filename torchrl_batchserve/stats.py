@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["ServerStatistics", "StatisticsRecorder"]
+__all__ = ["ReplicaStatistics", "ServerStatistics", "StatisticsRecorder"]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -18,6 +18,16 @@ def _percentile(values: list[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass(frozen=True)
+class ReplicaStatistics:
+    """What one replica has served: its device, its batches and rows, and the weight version it holds."""
+
+    device: str
+    batches: int
+    rows: int
+    version: int
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,7 @@ class ServerStatistics:
     cache_misses: int = 0
     cache_coalesced: int = 0
     uptime: float = 0.0
+    replicas: tuple[ReplicaStatistics, ...] = ()
     extra: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
@@ -128,7 +139,9 @@ class StatisticsRecorder:
             self._weight_updates += 1
             self._applies.append(apply_seconds)
 
-    def snapshot(self, policy_version: int, cache: Any = None) -> ServerStatistics:
+    def snapshot(
+        self, policy_version: int, cache: Any = None, replicas: tuple[ReplicaStatistics, ...] = ()
+    ) -> ServerStatistics:
         """The statistics now; ``cache`` (hits, misses, coalesced counters) when there is one."""
         with self._lock:
             waits, forwards = list(self._waits), list(self._forwards)
@@ -151,4 +164,5 @@ class StatisticsRecorder:
                 cache_misses=cache.misses if cache is not None else 0,
                 cache_coalesced=cache.coalesced if cache is not None else 0,
                 uptime=time.monotonic() - self._started,
+                replicas=replicas,
             )

@@ -26,7 +26,7 @@ from torch.nn import functional
 from torch.nn.utils.rnn import pad_sequence
 
 from torchrl_batchserve.collate import _all_single, split_rows, stack_column
-from torchrl_batchserve.errors import BadRequestError
+from torchrl_batchserve.errors import BadRequestError, PolicyError
 from torchrl_batchserve.request import Request
 
 __all__ = ["LengthCost", "PackCollate", "PadCollate"]
@@ -229,7 +229,7 @@ class PadCollate:
 
 def _narrow(key: Any, value: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     if value.ndim <= dim or value.shape[dim] < length:
-        raise RuntimeError(
+        raise PolicyError(
             f"the policy output {key!r} has shape {tuple(value.shape)} per request; "
             f"trimming it needs a dim {dim} of at least {length}"
         )
@@ -337,7 +337,7 @@ class PackCollate:
             value = output.get(key, None)
             if not isinstance(value, torch.Tensor) or value.ndim == 0 or value.shape[0] != elements:
                 shape = None if value is None else tuple(getattr(value, "shape", ()))
-                raise RuntimeError(f"the policy output {key!r} has shape {shape}; expected {elements} elements first")
+                raise PolicyError(f"the policy output {key!r} has shape {shape}; expected {elements} elements first")
             chunks = value.split([r.rows * r.extra for r in requests])
             columns.append([c.reshape(*r.batch_shape, r.extra, *c.shape[1:]) for c, r in zip(chunks, requests)])
         return columns

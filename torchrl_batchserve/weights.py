@@ -1,17 +1,20 @@
-"""Weight updates that never stall serving.
+"""Versioned weights: staged by whoever pushes, applied by each replica between two batches.
 
-:class:`ShadowWeights` receives new weights beside the serve loop: it checks
-their metadata against the served parameters (names, shapes, dtypes), copies
-them into a shadow on the parameters' devices, and hands them over. The serve
-loop applies the newest shadow between two batches, in place into the served
-parameters (compiled or CUDA-graph policies keep their storage), so each batch
-is computed with exactly one version and a transfer never blocks a forward.
+The server never serves the module it was given: each replica serves its own
+copy (see :mod:`torchrl_batchserve.replica`), so a trainer may train the
+module it passed in while the server serves. New weights reach the replicas
+only through :meth:`ShadowWeights.stage`, in the pushing thread: their
+names, shapes and dtypes are checked against the served layout, and they are
+copied into a snapshot that nothing changes afterwards. Each replica, at its
+next batch boundary, copies the newest snapshot into its parameters in place
+(compiled or CUDA-graph policies keep their storage) and stamps that
+version on every result of the batch. A forward therefore never sees half
+written weights, and the trainer's parameters are only ever read.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +24,7 @@ from torch import nn
 
 from torchrl_batchserve.errors import WeightSyncError
 
-__all__ = ["ShadowWeights", "as_weights"]
+__all__ = ["ShadowWeights", "Snapshot", "as_weights"]
 
 
 def as_weights(weights: Any) -> TensorDictBase:
@@ -35,59 +38,72 @@ def as_weights(weights: Any) -> TensorDictBase:
     raise WeightSyncError(f"weights must be a TensorDict, an nn.Module or a state_dict, got {type(weights).__name__}")
 
 
+class Snapshot:
+    """One staged version: its number, its tensors and, on CUDA, the event after which they are complete."""
+
+    __slots__ = ("ready", "tensors", "version")
+
+    def __init__(self, version: int, tensors: TensorDictBase | None, ready: Any = None) -> None:
+        self.version = version
+        self.tensors = tensors
+        self.ready = ready
+
+
 class ShadowWeights:
-    """Stage weights for a module and apply them at the serve loop's boundaries.
+    """The staging area of one server's weights.
 
     Args:
-        module: the served module whose parameters and buffers are updated.
-        version: the version of the weights it holds now.
+        layout: the served parameters and buffers (``TensorDict.from_module``
+            of a served copy): pushes must match their names, shapes and dtypes.
+        device: where snapshots are kept (the first replica's device).
 
     Examples:
         >>> import torch
+        >>> from tensordict import TensorDict
         >>> from torchrl_batchserve.weights import ShadowWeights
         >>> net = torch.nn.Linear(2, 2)
-        >>> shadow = ShadowWeights(net)
+        >>> shadow = ShadowWeights(TensorDict.from_module(net))
         >>> shadow.stage({"weight": torch.zeros(2, 2), "bias": torch.ones(2)})
         1
-        >>> shadow.apply_pending()
-        1
-        >>> net.bias.tolist(), shadow.version
-        ([1.0, 1.0], 1)
+        >>> snapshot = shadow.latest()
+        >>> snapshot.version, snapshot.tensors["bias"].tolist()
+        (1, [1.0, 1.0])
     """
 
-    def __init__(self, module: nn.Module, version: int = 0) -> None:
-        self._served = TensorDict.from_module(module)
+    def __init__(self, layout: TensorDictBase, device: torch.device | None = None) -> None:
+        self._layout = layout
+        self._device = device
         self._lock = threading.Lock()
-        self._pending: tuple[TensorDictBase, int] | None = None
-        self._version = version
-        self._staged_version = version
-        self.last_apply_seconds = 0.0
-
-    @property
-    def version(self) -> int:
-        """The version of the weights the served module holds."""
-        return self._version
+        self._latest = Snapshot(0, None)
 
     @property
     def served(self) -> TensorDictBase:
-        """The served parameters and buffers (a TensorDict view of the module)."""
-        return self._served
+        """The layout pushes must match (a TensorDict of the served parameters and buffers)."""
+        return self._layout
 
     @property
     def latest_version(self) -> int:
-        """The version of the newest weights given (staged or served)."""
-        return self._staged_version
+        """The version of the newest weights staged (0: the ones the server was built with)."""
+        return self._latest.version
+
+    def latest(self) -> Snapshot:
+        """The newest staged snapshot."""
+        return self._latest
 
     def check(self, weights: TensorDictBase) -> None:
         """Raise :class:`WeightSyncError` unless ``weights`` matches the served layout."""
-        served = set(self._served.keys(True, True))
+        served = set(self._layout.keys(True, True))
         given = set(weights.keys(True, True))
         if served != given:
             missing = sorted(map(str, served - given))
             extra = sorted(map(str, given - served))
             raise WeightSyncError(f"weights do not match the served policy: missing {missing}, unexpected {extra}")
         for key in served:
-            target, value = self._served.get(key), weights.get(key)
+            target, value = self._layout.get(key), weights.get(key)
+            if not isinstance(value, torch.Tensor):
+                raise WeightSyncError(f"weight {key!r}: expected a tensor, got {type(value).__name__}")
+            if value.is_meta:
+                raise WeightSyncError(f"weight {key!r}: is on the meta device (it holds no values to serve)")
             if target.shape != value.shape or target.dtype != value.dtype:
                 raise WeightSyncError(
                     f"weight {key!r}: expected shape {tuple(target.shape)} and dtype {target.dtype}, "
@@ -95,44 +111,28 @@ class ShadowWeights:
                 )
 
     def stage(self, weights: Any, version: int | None = None) -> int:
-        """Check and copy ``weights`` into a shadow; return the version it will serve as."""
+        """Check and copy ``weights``; return the version they serve as from every replica's next batch."""
         weights = as_weights(weights)
         self.check(weights)
         with torch.no_grad():
-            shadow = self._served.apply(lambda p, w: w.detach().to(p.device, copy=True), weights)
-        if shadow.device is None or shadow.device.type == "cuda":
-            _sync_cuda(shadow)
+            tensors = self._layout.apply(lambda ref, w: w.detach().to(self._device or ref.device, copy=True), weights)
+        ready = None
+        if tensors.device is None or tensors.device.type == "cuda":
+            ready = _record_event(tensors)
         with self._lock:
             if version is None:
-                version = self._staged_version + 1
-            elif version <= self._staged_version:
-                raise WeightSyncError(f"version must increase: staged {self._staged_version}, got {version}")
-            self._staged_version = version
-            self._pending = (shadow, version)
-        return version
-
-    def apply_pending(self) -> int | None:
-        """Copy the newest staged weights into the served module; return their version."""
-        if self._pending is None:
-            return None
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        shadow, version = pending
-        start = time.perf_counter()
-        with torch.no_grad():
-            self._served.update_(shadow)
-        self.last_apply_seconds = time.perf_counter() - start
-        self._version = version
+                version = self._latest.version + 1
+            elif version <= self._latest.version:
+                raise WeightSyncError(f"version must increase: staged {self._latest.version}, got {version}")
+            self._latest = Snapshot(version, tensors, ready)
         return version
 
 
-def _sync_cuda(td: TensorDictBase) -> None:
-    # The shadow must be complete before the serve loop copies from it on
-    # another stream; one synchronize per update, off the serve loop.
-    if torch.cuda.is_available():
-        for value in td.values(True, True):
-            if value.is_cuda:
-                torch.cuda.synchronize(value.device)
-                return
+def _record_event(tensors: TensorDictBase) -> Any:
+    """An event on the current stream of the snapshot's CUDA device, after its copies (``None`` on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    for value in tensors.values(True, True):
+        if value.is_cuda:
+            return torch.cuda.current_stream(value.device).record_event()
+    return None

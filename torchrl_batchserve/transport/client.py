@@ -2,30 +2,44 @@
 
 Connects to the server's :class:`~torchrl_batchserve.transport.hub.ProcessHub`
 on first use (so a policy can be pickled, unpickled and never called), then
-serves one request at a time through its slots. Waiting is a blocking
-``recv`` on the socket: a reply, a ``closed`` notice, or end-of-file when the
-server's process is gone; nothing waits forever.
+serves one request at a time through its slots. Waiting is a blocking read
+of the socket: a reply, a ``closed`` notice, or end-of-file when the
+server's process is gone; nothing waits forever. Each request has a sequence
+number, and a reply to an earlier, interrupted call is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import pickle
+import socket
 import threading
+import weakref
 from concurrent.futures import Future
-from multiprocessing.connection import Client
 from typing import Any
 
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
+from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, ServerClosedError
 from torchrl_batchserve.layout import entry
 from torchrl_batchserve.request import write_outputs
-from torchrl_batchserve.transport.caller import current_interaction, forks
+from torchrl_batchserve.transport.hub import HANDSHAKE_TIMEOUT
 from torchrl_batchserve.transport.slots import Slot
-from torchrl_batchserve.transport.wire import Wire, frame
-from torchrl_batchserve.wakeup import sleeper_id, unhush
+from torchrl_batchserve.transport.wire import Wire
 
 __all__ = ["ProcessClient"]
+
+_CLIENTS: weakref.WeakSet[ProcessClient] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    for client in list(_CLIENTS):
+        client._forget()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class ProcessClient:
@@ -33,13 +47,12 @@ class ProcessClient:
 
     Args:
         address: the hub's Unix socket path.
-        authkey: the hub's authentication key.
+        authkey: the hub's key.
         in_keys: the entries to send (the policy's in_keys, minus those the
             server's collate provides).
 
     One request is in flight at a time per client; calls from several
-    threads of the worker take turns (give each thread its own copy of the
-    policy to overlap them).
+    threads of the worker take turns.
     """
 
     def __init__(self, address: str, authkey: bytes, in_keys: list[Any]) -> None:
@@ -48,66 +61,58 @@ class ProcessClient:
         self.in_keys = list(in_keys)
         self._lock = threading.Lock()
         self._conn: Wire | None = None
-        self._forks = forks()
         self._inputs: Slot | None = None
         self._outputs: Slot | None = None
         self._closed = False
-        self._last_head: Any = None
-        self._last_frame = b""
+        self._seq = 0
+        _CLIENTS.add(self)
 
     def process_address(self) -> tuple[str, bytes, list]:
         """Where another copy connects (a copy of a copy is a client of the same server)."""
         return self.address, self.authkey, self.in_keys
 
     def _connection(self) -> Wire:
-        if self._forks != forks():  # forked with a connection: start afresh
-            self._forks, self._conn, self._inputs, self._outputs = forks(), None, None, None
         if self._closed:
             raise ServerClosedError("the server is closed and accepts no more requests")
         if self._conn is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                self._conn = Wire(Client(self.address, family="AF_UNIX", authkey=self.authkey))
-            except (OSError, EOFError) as err:
+                sock.settimeout(HANDSHAKE_TIMEOUT)
+                sock.connect(self.address)
+                sock.sendall(self.authkey)
+                if sock.recv(1) != b"\x01":
+                    raise OSError("the hub refused the connection")
+            except OSError as err:
+                sock.close()
                 self._closed = True
                 raise ServerClosedError(f"the server at {self.address} is closed or gone ({err})") from err
+            self._conn = Wire(sock)
         return self._conn
 
     def call(self, td: TensorDictBase) -> TensorDictBase:
         """Serve ``td`` and block until its outputs are written into it."""
-        if type(td) is not TensorDict and not isinstance(td, TensorDictBase):
+        if not isinstance(td, TensorDictBase):
             raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
         with self._lock:
             conn = self._connection()
             batch_shape = tuple(td.batch_size)
-            rows = 1
-            for d in batch_shape:
-                rows *= d
-            mode = current_interaction()
+            rows = td.batch_size.numel()
             inputs = [entry(td, key) for key in self.in_keys]
             slot = self._inputs
             if slot is not None and slot.fits(inputs, rows, batch_shape):
                 slot.write(inputs, rows, batch_shape)
                 payload = None
             else:
-                payload = td.select(*[k for k, v in zip(self.in_keys, inputs) if v is not None], strict=False)
-            sleeper = sleeper_id()  # the hub hushes this thread before it wakes it (wakeup.py)
+                present = [k for k, v in zip(self.in_keys, inputs) if v is not None]
+                payload = pickle.dumps(td.select(*present, strict=False), protocol=pickle.HIGHEST_PROTOCOL)
+            self._seq += 1
+            mode = interaction_type()
             try:
-                if payload is None:  # a slot request: the same few bytes as last time, most often
-                    head = (rows, batch_shape, mode, sleeper)
-                    if head != self._last_head:
-                        self._last_head = head
-                        self._last_frame = frame(("req", rows, batch_shape, _value(mode), sleeper, None))
-                    conn.send_frame(self._last_frame)
-                else:
-                    conn.send(("req", rows, batch_shape, _value(mode), sleeper, payload))
+                conn.send(("req", self._seq, rows, batch_shape, None if mode is None else mode.value, payload))
             except OSError as err:
                 self._closed = True
                 raise ServerClosedError(f"the server is closed or gone ({err})") from err
-            try:
-                return self._wait(conn, td, rows, batch_shape)
-            finally:
-                if sleeper:
-                    unhush()
+            return self._wait(conn, td, rows, batch_shape)
 
     def _wait(self, conn: Wire, td: TensorDictBase, rows: int, batch_shape: tuple[int, ...]) -> TensorDictBase:
         while True:
@@ -128,14 +133,15 @@ class ProcessClient:
             if kind == "closed":
                 self._closed = True
                 raise ServerClosedError("the server was closed before this request ran")
-            _, error, values, keys = message
+            _, seq, error, values, keys = message
+            if seq != self._seq:
+                continue  # the reply to a call that was interrupted
             if error is not None:
                 raise error
             if values is None:
                 out = self._outputs
                 assert out is not None
-                keys = out.keys
-                values = out.read(rows, batch_shape, clone=True)
+                keys, values = out.keys, out.read(rows, batch_shape)
             write_outputs(td, keys, values)
             return td
 
@@ -163,6 +169,9 @@ class ProcessClient:
                 self._conn = None
             self._inputs = self._outputs = None
 
-
-def _value(mode: Any) -> Any:
-    return None if mode is None else mode.value
+    def _forget(self) -> None:
+        """In a forked child: drop the parent's connection (its descriptor closed), connect anew on use."""
+        self._lock = threading.Lock()  # the parent's may have been held by another thread at the fork
+        conn, self._conn, self._inputs, self._outputs = self._conn, None, None, None
+        if conn is not None:
+            conn.sock.close()

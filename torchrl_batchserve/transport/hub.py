@@ -2,63 +2,75 @@
 
 Each unpickled :class:`~torchrl_batchserve.RemotePolicy` in another process
 connects once (its own client: replies can never reach another worker) and
-then has one request at a time in flight. Tensors travel through the client's
-two slots (inputs, outputs: :mod:`~torchrl_batchserve.transport.slots`); the
-socket carries only a few bytes per request, and its blocking ``recv`` is how
-both sides wait: no polling. The socket is also the liveness signal: a worker
-that dies closes it, and the hub drops the worker (its slot memory goes with
-the last mapping); a server that dies or closes ends every client's ``recv``.
+then has one request at a time in flight. Tensors travel through the
+client's two slots (inputs, outputs: :mod:`~torchrl_batchserve.transport.slots`);
+the socket carries a few bytes per request, and its blocking read is how both
+sides wait. The socket is also the liveness signal: a worker that dies closes
+it and the hub drops the worker (its slot memory goes with the last mapping);
+a server that dies or closes ends every client's read.
 
-One hub thread reads every client (one ``epoll`` set), turns
-each message into a :class:`ProcessRequest` and queues it through the
-server's endpoint; when a request completes a batch, the hub thread runs it
-itself, as an event loop's coroutine does. Replies are written by whichever thread
-completes the request.
+Threads: one accept thread; one short-lived thread per connection for its
+handshake (bounded by ``HANDSHAKE_TIMEOUT``, so a client that never answers
+blocks no one); one reader thread for every client (one ``epoll`` set),
+which turns each message into a :class:`ProcessRequest` through the server's
+:class:`~torchrl_batchserve.intake.Intake`, the same checks as in-process
+callers. A message that fails in any way fails that request only. Replies
+are written by the serve loop that completes the request.
 
-Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`;
-tensors only in the first request of a layout, or when they do not fit the
-slot):
+Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`):
 
-* client -> hub: ``("req", rows, batch_shape, interaction, sleeper, inputs | None)``,
-  ``sleeper`` the waiting thread's id for :func:`~torchrl_batchserve.wakeup.hush`
-  (0: leave it alone)
+* client -> hub: the 16-byte authkey once, then
+  ``("req", seq, rows, batch_shape, interaction, payload)``; ``payload`` is
+  the pickled inputs, or ``None`` when they are in the client's input slot.
 * hub -> client: ``("slot", "in" | "out", fields, capacity, size)`` with the
-  slot's descriptor attached (``SCM_RIGHTS``); ``("done", error, outputs | None,
-  keys)``; ``("closed",)``.
+  slot's descriptor attached (``SCM_RIGHTS``); ``("done", seq, error, values, keys)``
+  (``values`` ``None``: in the output slot); ``("closed",)``.
+
+``seq`` numbers a client's requests: a reply whose ``seq`` is not the one the
+client waits for (a call interrupted by a signal) is dropped by the client,
+and the hub writes no slot for it, so a later call never reads an earlier
+call's outputs.
+
+In a child forked from the server's process, every descriptor of the hub is
+closed at once (``os.register_at_fork``): a worker forked later must not hold
+the hub's end of an earlier worker's socket, or that worker would never see
+the server die.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import pickle
 import secrets
 import selectors
+import shutil
 import socket
-import struct
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection, Listener
+import time
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 from tensordict.nn import InteractionType
 
-from torchrl_batchserve.errors import BadRequestError, BatchServeError
+from torchrl_batchserve.errors import BadRequestError
+from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.request import Request
 from torchrl_batchserve.transport.slots import Slot
-from torchrl_batchserve.transport.wire import DONE_FRAME, Wire, frame
-from torchrl_batchserve.wakeup import hush
+from torchrl_batchserve.transport.wire import Wire, frame
 
-__all__ = ["ProcessHub", "ProcessRequest"]
+__all__ = ["HANDSHAKE_TIMEOUT", "ProcessHub", "ProcessRequest"]
 
 _log = logging.getLogger(__name__)
-_CPU = torch.device("cpu")
-
-
 _MODES = {m.value: m for m in InteractionType}
+HANDSHAKE_TIMEOUT = 5.0
+"""Seconds a new connection has to send its key; then it is dropped."""
+AUTHKEY_BYTES = 16
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -71,10 +83,10 @@ def _portable(error: BaseException) -> BaseException:
 
 
 class _Client:
-    """A connected worker: its socket and its two slots."""
+    """A connected worker: its socket, its two slots and the seq of its latest request."""
 
-    def __init__(self, conn: Connection, ident: int) -> None:
-        self.wire = Wire(conn, receives_fds=False)  # workers send no descriptors
+    def __init__(self, sock: socket.socket, ident: int) -> None:
+        self.wire = Wire(sock, receives_fds=False)  # workers send no descriptors
         self.ident = ident
         self.caller = ("process", ident)
         self.send_lock = threading.Lock()
@@ -82,137 +94,111 @@ class _Client:
         self.outputs: Slot | None = None
         self.varying = False
         self.alive = True
-        self.sleeper = 0  # the thread to hush before the next reply wakes it
-        self._pid = _peer_pid(self.wire.sock)
-        self._checked = (0, False)  # the last sleeper id the client sent, and whether it is one of its threads
-
-    def waits_in(self, sleeper: int) -> None:
-        """The client's request came from thread ``sleeper`` (its native id, 0 for none)."""
-        if sleeper and self._checked[0] != sleeper:
-            # Only a thread of the process at the other end of the socket (an
-            # id from another PID namespace would name someone else here).
-            own = self._pid is not None and os.path.exists(f"/proc/{self._pid}/task/{sleeper}")
-            self._checked = (sleeper, own)
-        self.sleeper = sleeper if sleeper and self._checked[1] else 0
+        self.latest = 0  # the seq of the request the client waits for
 
     def send(self, message: Any, fd: int | None = None) -> None:
-        """Send ``message`` (``None``: a plain "done"), with the descriptor ``fd`` if any (then closed here)."""
+        """Send ``message``, with the descriptor ``fd`` if any (closed here, sent or not)."""
         with self.send_lock:
-            try:
-                if not self.alive:
-                    return
-                if self.sleeper:
-                    hush(self.sleeper)
-                    self.sleeper = 0
-                self.wire.send_frame(DONE_FRAME if message is None else frame(message), fd)
-            except OSError:
-                self.alive = False  # the worker is gone; its reader sees EOF too
-            finally:
-                if fd is not None:
-                    os.close(fd)  # sent or not: the worker has its own copy or never will
+            self._send(message, fd)
 
+    def _send(self, message: Any, fd: int | None = None) -> None:
+        try:
+            if self.alive:
+                self.wire.send_frame(frame(message), fd)
+        except OSError:
+            self.alive = False  # the worker is gone; the reader sees EOF too
+        finally:
+            if fd is not None:
+                os.close(fd)
 
-def _peer_pid(sock: socket.socket) -> int | None:
-    """The pid of the process at the other end of a Unix socket (Linux), else ``None``."""
-    try:
-        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except (AttributeError, OSError):
-        return None
-    return pid or None
+    def reply(self, request: ProcessRequest) -> None:
+        """Send ``request``'s outcome: its outputs through the output slot, or pickled."""
+        with self.send_lock:
+            seq = request.seq
+            if request.error is not None:
+                self._send(("done", seq, _portable(request.error), None, None))
+            elif seq != self.latest:
+                self._send(("done", seq, None, None, None))  # nobody waits for it: leave the slot alone
+            else:
+                try:
+                    self._reply(request)
+                except Exception as err:  # e.g. no memory for a slot: this request fails, not the batch
+                    self._send(("done", seq, _portable(err), None, None))
+
+    def _reply(self, request: ProcessRequest) -> None:
+        values, keys, rows, shape = list(request.values), list(request.keys), request.rows, request.batch_shape
+        slot = self.outputs
+        if slot is None or not slot.fits(values, rows, shape):
+            if not all(isinstance(v, torch.Tensor) for v in values):
+                self._send(("done", request.seq, None, values, keys))  # non-tensor outputs: pickled
+                return
+            dims = len(shape)
+            capacity = max(rows, slot.capacity if slot is not None else 1)
+            slot, fd = Slot.create([(k, v.dtype, tuple(v.shape[dims:])) for k, v in zip(keys, values)], capacity)
+            self.outputs = slot
+            self._send(("slot", "out", *slot.describe()), fd=fd)
+        slot.write(values, rows, shape)  # copy_ brings device values over
+        self._send(("done", request.seq, None, None, None))
 
 
 class ProcessRequest(Request):
-    """A request from a worker process; its outputs go back through the client's slot."""
+    """A request from a worker process; its outcome goes back over the client's socket."""
 
-    __slots__ = ("client",)
-    takes_rows = True  # its outputs are copied into the client's slot at once
+    __slots__ = ("client", "seq")
 
-    def __init__(self, *args: Any, client: _Client) -> None:
+    def __init__(self, *args: Any, client: _Client, seq: int) -> None:
         super().__init__(*args)
         self.client = client
+        self.seq = seq
+
+    def claim(self) -> bool:
+        return not self.done and self.client.alive
 
     def _wake(self) -> None:
-        client = self.client
-        if self.error is not None:
-            client.send(("done", _portable(self.error), None, None))
-            return
-        try:
-            self._reply(client)
-        except Exception as err:  # e.g. no memory for a slot: this request fails, not the batch
-            client.send(("done", _portable(err), None, None))
+        self.client.reply(self)
 
-    def _reply(self, client: _Client) -> None:
-        values = self.values
-        if values and type(values[0]) is tuple:  # (batch tensor, row) pairs: Request.takes_rows
-            slot = client.outputs
-            if slot is not None and slot.fits_row(values):
-                slot.write_row(values)
-                client.send(None)
-                return
-            values = [v[i] for v, i in values]  # a new slot's first reply: its own views
-        values, rows, dims = list(values), self.rows, len(self.batch_shape)
-        slot = client.outputs
-        if slot is None or not slot.fits(values, rows, self.batch_shape):
-            if not all(isinstance(v, torch.Tensor) for v in values):
-                client.send(("done", None, values, list(self.keys)))  # non-tensor outputs: pickled
-                return
-            capacity = max(rows, slot.capacity if slot is not None else 1)
-            specs = [(k, v.dtype, tuple(v.shape[dims:])) for k, v in zip(self.keys, values)]
-            slot, fd = Slot.create(specs, capacity)
-            client.outputs = slot
-            client.send(("slot", "out", *slot.describe()), fd=fd)
-        slot.write(values, rows, self.batch_shape)  # copy_ brings device values over
-        client.send(None)
+
+_HUBS: weakref.WeakSet[ProcessHub] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    for hub in list(_HUBS):
+        hub._forget()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _remove_folder(folder: str, owner: int) -> None:
+    if os.getpid() == owner:  # never from a forked child: the socket is the parent's
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class ProcessHub:
-    """Accepts worker connections and feeds their requests to the server's queue.
+    """Accepts worker connections and feeds their requests to the server's intake.
 
     Args:
         keys: the entries requests carry (the layout's keys), in slot order.
-        make_request: ``make_request(cls, td, caller, interaction, **kwargs)``,
-            the endpoint's validation (raises ``BadRequestError``).
-        enqueue: ``enqueue(request, may_serve=, keeps_time=) -> batch | None``
-            (admission and queueing; may raise when the server is closed or
-            full).
-        serve: runs a batch the queue handed this thread.
-        take_due: the queue's :meth:`~torchrl_batchserve.queue.RequestQueue.take_due`:
-            the hub keeps the timeout of the requests it queues (it sleeps
-            in ``epoll`` until the next message or the oldest request's
-            timeout), so their arrival wakes no other thread. ``epoll``
-            counts in milliseconds, rounded up: a batch of worker requests
-            that fires on timeout does so up to 1 ms after it.
-        trusted_slots: requests read from a slot skip validation (the slot's
-            layout was validated when it was made); the server sets it when
-            nothing needs the request's TensorDict (stacking collate, no
-            ``cost_fn``, no cache ``key_fn``).
+        intake: the server's validation, admission and queueing.
     """
 
-    def __init__(
-        self,
-        keys: Sequence[Any],
-        make_request: Callable[..., Request],
-        enqueue: Callable[..., Any],
-        serve: Callable[..., None],
-        take_due: Callable[[], Any],
-        trusted_slots: bool = False,
-    ) -> None:
+    def __init__(self, keys: Sequence[Any], intake: Intake) -> None:
         self._keys = list(keys)
-        self._trusted = trusted_slots
-        self._make_request = make_request
-        self._enqueue = enqueue
-        self._serve = serve
-        self._take_due = take_due
+        self._intake = intake
         self._dir = tempfile.mkdtemp(prefix="torchrl_batchserve-")
+        self._finalizer = weakref.finalize(self, _remove_folder, self._dir, os.getpid())
         self.address = os.path.join(self._dir, "hub.sock")
-        self.authkey = secrets.token_bytes(16)
-        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        self.authkey = secrets.token_bytes(AUTHKEY_BYTES)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.address)
+        self._listener.listen(128)
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
         self._pending: list[_Client] = []
         self._clients: dict[int, _Client] = {}
         self._next_id = 0
         self._closed = False
+        _HUBS.add(self)
         self._accepter = threading.Thread(target=self._accept_forever, name="batchserve-hub-accept", daemon=True)
         self._reader = threading.Thread(target=self._read_forever, name="batchserve-hub", daemon=True)
         self._accepter.start()
@@ -223,38 +209,58 @@ class ProcessHub:
         """How many worker clients are connected now."""
         return len(self._clients) + len(self._pending)
 
+    # -- connections -----------------------------------------------------------------
+
     def _accept_forever(self) -> None:
         while True:
             try:
-                conn = self._listener.accept()
-            except Exception:  # closed, or a client that failed the handshake (wrong authkey, hung up)
+                sock, _ = self._listener.accept()
+            except OSError:
                 if self._closed:
                     return
                 continue
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._next_id += 1
-                self._pending.append(_Client(conn, self._next_id))
-            os.write(self._wake_w, b"x")
+            if self._closed:
+                sock.close()
+                return
+            threading.Thread(target=self._handshake, args=(sock,), name="batchserve-hub-handshake", daemon=True).start()
 
-    def _wake_accepter(self) -> None:
-        """End the accept thread's ``accept()``: closing the listening socket does not (Linux).
+    def _handshake(self, sock: socket.socket) -> None:
+        """Admit ``sock`` if it sends the key within ``HANDSHAKE_TIMEOUT``; else drop it."""
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            key = b""
+            while len(key) < AUTHKEY_BYTES:
+                chunk = sock.recv(AUTHKEY_BYTES - len(key))
+                if not chunk:
+                    raise OSError("hung up during the handshake")
+                key += chunk
+            if not hmac.compare_digest(key, self.authkey):
+                raise OSError("wrong authkey")
+            sock.sendall(b"\x01")
+        except OSError:
+            sock.close()
+            return
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            self._next_id += 1
+            self._pending.append(_Client(sock, self._next_id))
+        os.write(self._wake_w, b"x")
 
-        A connection that hangs up at once: its handshake fails, and the thread sees the hub closed.
-        """
+    def _knock(self) -> None:
+        """End the accept thread's ``accept()``: closing the listening socket does not (Linux)."""
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as knock:
                 knock.connect(self.address)
         except OSError:
             pass
 
+    # -- requests -------------------------------------------------------------------------
+
     def _read_forever(self) -> None:
-        torch.set_grad_enabled(False)
-        selector = selectors.DefaultSelector()  # one epoll set for the hub's life, not one per wake
+        selector = selectors.DefaultSelector()
         selector.register(self._wake_r, selectors.EVENT_READ, None)
-        wait: float | None = None  # until the oldest queued request times out
         try:
             while True:
                 with self._lock:
@@ -264,69 +270,61 @@ class ProcessHub:
                         self._clients[client.ident] = client
                         selector.register(client.wire, selectors.EVENT_READ, client)
                     self._pending.clear()
-                for key, _ in selector.select(wait):
+                for key, _ in selector.select():
                     client = key.data
                     if client is None:
                         os.read(self._wake_r, 4096)
-                        continue
-                    try:
-                        if not client.alive:  # a reply found it gone
-                            raise EOFError
-                        messages = client.wire.read()
-                    except (EOFError, OSError):
+                    elif not self._read(client):
                         selector.unregister(client.wire)
                         self._drop(client)
-                        continue
-                    try:
-                        for message in messages:
-                            self._handle(client, message)
-                    except Exception:
-                        _log.exception("bad message from worker client %d; dropping it", client.ident)
-                        selector.unregister(client.wire)
-                        self._drop(client)
-                wait = self._serve_due()
+        except BaseException:
+            _log.exception("the process hub's reader died")  # only a bug gets here
         finally:
             selector.close()
 
-    def _serve_due(self) -> float | None:
-        """Run the batches the timeout made due; the seconds until the next one, or ``None``."""
-        while True:
-            due = self._take_due()
-            if not isinstance(due, tuple):
-                return due
-            self._serve(*due)
-
-    def _handle(self, client: _Client, message: tuple) -> None:
-        _, rows, batch_shape, interaction, sleeper, data = message
-        mode = None if interaction is None else _MODES[interaction]
-        client.waits_in(sleeper)
+    def _read(self, client: _Client) -> bool:
+        """Handle what ``client`` sent; False once it is gone (or sent what is not a message)."""
         try:
-            if data is not None:
-                request = self._make_request(ProcessRequest, data, client.caller, mode, client=client)
-                self._offer_slot(client, request)
-            else:  # the inputs are in the client's slot
-                request = self._from_slot(client, rows, batch_shape, mode)
-            batch = self._enqueue(request, may_serve=True, keeps_time=True)
-        except BatchServeError as err:
-            client.send(("done", _portable(err), None, None))
-            return
-        if batch is not None:
-            self._serve(*batch)
+            if not client.alive:  # a reply found it gone
+                return False
+            messages = client.wire.read()
+        except (EOFError, OSError):
+            return False
+        except Exception:  # not a frame of ours: the client is not speaking our protocol
+            _log.exception("undecodable message from worker client %d; dropping it", client.ident)
+            return False
+        for message in messages:
+            self._handle(client, message)
+        return True
 
-    def _from_slot(self, client: _Client, rows: int, batch_shape: tuple, mode: Any) -> Request:
+    def _handle(self, client: _Client, message: Any) -> None:
+        try:
+            _, seq, rows, batch_shape, interaction, payload = message
+        except (TypeError, ValueError):
+            _log.error("malformed message from worker client %d: %r", client.ident, message)
+            return
+        client.latest = seq
+        try:
+            mode = None if interaction is None else _MODES[interaction]
+            if payload is not None:
+                td = pickle.loads(payload)
+                request = self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq)
+                self._offer_slot(client, request)
+            else:
+                request = self._from_slot(client, seq, rows, tuple(batch_shape), mode)
+            self._intake.put(request)
+        except BaseException as err:  # whatever the message did, it fails this request only
+            client.send(("done", seq, _portable(err), None, None))
+
+    def _from_slot(self, client: _Client, seq: int, rows: int, batch_shape: tuple, mode: Any) -> Request:
         slot = client.inputs
         if slot is None:
             raise BadRequestError("the client wrote to a slot it was never given")
         if rows > slot.capacity:
             raise BadRequestError(f"the request has {rows} rows; the client's slot holds {slot.capacity}")
-        if not self._trusted:
-            views = slot.read(rows, batch_shape, clone=False)
-            td = TensorDict(dict(zip(slot.keys, views)), batch_size=batch_shape)
-            return self._make_request(ProcessRequest, td, client.caller, mode, client=client)
-        # The slot's layout was validated with the request that made it: only
-        # the rows are new. Inputs are views, as validation would return them.
-        inputs = tuple(slot.views(rows, (rows,) if batch_shape else ()))
-        return ProcessRequest(None, inputs, rows, torch.Size(batch_shape), client.caller, mode, _CPU, client=client)
+        # Views of the slot: the client writes it again only once this request is answered.
+        td = TensorDict(dict(zip(slot.keys, slot.views(rows, batch_shape))), batch_size=batch_shape)
+        return self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq)
 
     def _offer_slot(self, client: _Client, request: Request) -> None:
         """A request came with its tensors: give the client a slot for the next ones."""
@@ -339,8 +337,7 @@ class ProcessHub:
         if old is not None and old.specs() != specs:
             client.varying = True  # variable-length inputs: one slot per length would cost more than it saves
             return
-        capacity = max(request.rows, old.capacity if old is not None else 1)
-        slot, fd = Slot.create(specs, capacity)
+        slot, fd = Slot.create(specs, max(request.rows, old.capacity if old is not None else 1))
         client.inputs = slot
         client.send(("slot", "in", *slot.describe()), fd=fd)
 
@@ -349,31 +346,48 @@ class ProcessHub:
         with client.send_lock:  # a reply being written finishes first; later ones see alive=False
             client.alive = False
             try:
-                client.wire.close()  # its descriptor number may be reused at once
+                client.wire.close()
             except OSError:
                 pass
         client.inputs = client.outputs = None  # the memory goes with the last view
 
-    def close(self, timeout: float | None = 5.0) -> None:
-        """Stop accepting, tell every client the server closed, release everything."""
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = 5.0) -> bool:
+        """Stop accepting, tell every client the server closed, release everything; whether both threads ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if self._closed:
-                return
+                return True
             self._closed = True
             clients = list(self._clients.values()) + self._pending
             self._pending.clear()
         os.write(self._wake_w, b"x")
-        self._wake_accepter()
-        self._listener.close()  # removes the socket file
-        self._accepter.join(timeout)
-        self._reader.join(timeout)
+        self._knock()
+        self._listener.close()
+        self._finalizer()  # the socket file and its folder
+        for thread in (self._accepter, self._reader):
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         for client in clients:
             client.send(("closed",))
             self._drop(client)
         self._clients.clear()
+        stopped = not (self._accepter.is_alive() or self._reader.is_alive())
+        if stopped:
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+        return stopped
+
+    def _forget(self) -> None:
+        """In a forked child: close every descriptor of the parent's hub, touch nothing else."""
+        self._closed = True
+        self._finalizer.detach()
+        for client in list(self._clients.values()) + self._pending:
+            client.alive = False
+            client.wire.sock.close()
+        self._listener.close()
         for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
-        try:
-            os.rmdir(self._dir)
-        except OSError:
-            pass
+            try:
+                os.close(fd)
+            except OSError:
+                pass

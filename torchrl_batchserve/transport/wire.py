@@ -1,27 +1,15 @@
 """Whole messages over a Unix stream socket, with a descriptor when one comes along.
 
-The hub and its clients authenticate with :mod:`multiprocessing.connection`
-(its ``authkey`` challenge) and then talk through a :class:`Wire` on the same
-socket. A message is a frame: a 4-byte big-endian length, then the pickled
-payload (the framing ``Connection`` uses, so a peer could read it with
-``recv_bytes``). What a ``Wire`` adds over ``Connection``:
+A message is a frame: a 4-byte big-endian length, then the pickled payload.
+A descriptor (a slot's memory file) travels in the same ``sendmsg`` as the
+frame that announces it, so a frame and its descriptor are never read apart.
+One read takes whatever frames have arrived; a partial frame is kept for the
+next read.
 
-* one read (``recvmsg`` on a client's end, which takes the descriptors sent
-  with the frames; a plain ``recv`` on the hub's) takes whatever frames have
-  arrived, where ``Connection.recv_bytes`` makes two ``read`` calls
-  per message and :func:`multiprocessing.reduction.recv_handle` a third
-  (on the hot path a request and its reply are one frame each way, so this
-  halves the reads);
-* a descriptor travels in the same ``sendmsg`` as the frame that announces
-  it, so the frame and its descriptor can never be read apart;
-* :meth:`Wire.recv` waits in ``poll`` for the socket to become readable
-  before it reads. A thread asleep in a blocking ``recv`` on a Unix stream
-  socket is also woken when the peer *reads* what this end sent (the
-  kernel's write-space wake-up shares the socket's wait queue and does not
-  look at the event): the hub reading a client's request woke the client
-  once for nothing, and it slept again. ``poll`` filters by event: one
-  sleep per reply instead of two (worker processes: 1.95 -> 1.00 voluntary
-  context switches per request).
+:meth:`Wire.recv` waits in ``poll`` for the socket to become readable
+before it reads: a thread asleep in a blocking ``recv`` on a Unix stream
+socket is also woken when the peer *reads* what this end sent, and would
+sleep again; ``poll`` filters by event.
 """
 
 from __future__ import annotations
@@ -33,7 +21,6 @@ import select
 import socket
 import struct
 from collections import deque
-from multiprocessing.connection import Connection
 from typing import Any
 
 __all__ = ["Wire", "frame"]
@@ -43,45 +30,33 @@ _FDS = socket.CMSG_SPACE(array.array("i", [0]).itemsize)
 _CHUNK = 1 << 16
 
 
-DONE = ("done", None, None, None)
-"""The most common message: a reply whose outputs are in the client's slot
-(:meth:`Wire.read` returns it without unpickling when a read brings exactly its frame)."""
-
-
 def frame(message: Any) -> bytes:
     """``message`` pickled and framed, ready for :meth:`Wire.send_frame`."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(payload)) + payload
 
 
-DONE_FRAME = frame(DONE)
-""":data:`DONE`, framed once."""
-
-
 class Wire:
-    """One end of an authenticated connection, read and written as whole messages.
+    """One end of a connected Unix stream socket, read and written as whole messages.
 
     Args:
-        conn: a ``Connection`` that passed the ``authkey`` handshake; the wire
-            takes its socket over (``conn`` is closed).
-        receives_fds: whether descriptors may come this way (a client's
-            end); without, reads are a plain ``recv``.
+        sock: the connected socket; the wire owns it from now on.
+        receives_fds: whether descriptors may come this way (a client's end).
 
     Not thread-safe: one thread reads, with either :meth:`read` (all that
     arrived: the hub's event loop) or :meth:`recv` (one message at a time: a
-    client), never both; writers take turns (the hub's clients hold a lock
-    around :meth:`send_frame`).
+    client), never both; writers take turns under a lock of their own.
     """
 
-    def __init__(self, conn: Connection, receives_fds: bool = True) -> None:
+    def __init__(self, sock: socket.socket, receives_fds: bool = True) -> None:
+        sock.setblocking(True)
+        self.sock = sock
         self.receives_fds = receives_fds
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno()))
-        conn.close()
         self._buffer = bytearray()
         self._fds: deque[int] = deque()
         self._inbox: deque[Any] = deque()
         self._readable = select.poll()
-        self._readable.register(self.sock, select.POLLIN)
+        self._readable.register(sock, select.POLLIN)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -101,7 +76,8 @@ class Wire:
     def read(self) -> list[Any]:
         """Read once (blocks only if nothing has arrived); return the messages completed.
 
-        Raises ``EOFError`` when the peer closed its end or died.
+        Raises ``EOFError`` when the peer closed its end or died. A frame
+        that does not unpickle raises its error; the frames after it stay.
         """
         if self.receives_fds:
             data, ancdata, _, _ = self.sock.recvmsg(_CHUNK, _FDS)
@@ -113,21 +89,15 @@ class Wire:
         if not data:
             raise EOFError("the peer closed the connection")
         buffer = self._buffer
-        if data == DONE_FRAME and not buffer:  # the most common message: nothing to unpickle
-            return [DONE]
-        if not buffer and len(data) >= 4:  # the common case: exactly one whole frame
-            (size,) = _HEADER.unpack_from(data)
-            if len(data) == size + 4:
-                return [pickle.loads(memoryview(data)[4:])]
         buffer += data
-        messages = []
+        frames = []
         while len(buffer) >= 4:
             (size,) = _HEADER.unpack_from(buffer)
             if len(buffer) < size + 4:
                 break
-            messages.append(pickle.loads(buffer[4 : size + 4]))
+            frames.append(bytes(buffer[4 : size + 4]))
             del buffer[: size + 4]
-        return messages
+        return [pickle.loads(f) for f in frames]
 
     def recv(self) -> Any:
         """The next message, blocking until it has arrived (``EOFError``: the peer is gone)."""

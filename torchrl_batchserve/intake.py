@@ -1,0 +1,96 @@
+"""Intake: how every transport turns a caller's TensorDict into a queued request.
+
+One object, one order, for every path (threads, asyncio tasks, worker
+processes)::
+
+    validate (Layout.check) -> Request -> admit (EvaluationCache) -> RequestQueue.put
+
+so every path gets the same checks and the same error types. A bad request
+fails its caller here, before anything is queued; a request that is admitted
+is either answered at once (a cache hit), joined to an identical one in
+flight, or queued, and then completed exactly once by a serve loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensordict import TensorDictBase
+from tensordict.nn.probabilistic import interaction_type
+
+from torchrl_batchserve.cache import HIT, JOINED, EvaluationCache
+from torchrl_batchserve.errors import BadRequestError
+from torchrl_batchserve.layout import Layout
+from torchrl_batchserve.queue import RequestQueue
+from torchrl_batchserve.request import Request, fail_all
+from torchrl_batchserve.stats import StatisticsRecorder
+from torchrl_batchserve.weights import ShadowWeights
+
+__all__ = ["Intake"]
+
+_HERE = object()  # the interaction type of the calling thread
+
+
+class Intake:
+    """Validates, admits and queues requests for one server.
+
+    Args:
+        layout: the request validator.
+        queue: the server's queue.
+        stats: counts the requests refused as bad input.
+        weights: the staging area (its newest version keys the cache).
+        cache: the evaluation cache, if any.
+        delivered: the keys a result carries (a cache hit's too).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        queue: RequestQueue,
+        stats: StatisticsRecorder,
+        weights: ShadowWeights,
+        cache: EvaluationCache | None,
+        delivered: list[Any],
+    ) -> None:
+        self.layout = layout
+        self.queue = queue
+        self._stats = stats
+        self._weights = weights
+        self._cache = cache
+        self._delivered = delivered
+
+    def request(
+        self, cls: type[Request], td: TensorDictBase, caller: Any, interaction: Any = _HERE, **kwargs: Any
+    ) -> Any:
+        """Validate ``td`` and wrap it in a ``cls`` request (``interaction``: default, this thread's)."""
+        try:
+            v = self.layout.check(td)
+        except BadRequestError:
+            self._stats.rejected()
+            raise
+        if interaction is _HERE:
+            interaction = interaction_type()
+        return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, v.layout, **kwargs)
+
+    def put(self, request: Request) -> None:
+        """Answer ``request`` from the cache, join it to an identical one in flight, or queue it.
+
+        Raises at once (and the request is not accepted) when the queue
+        refuses it: closed, broken, full, or too large to ever fit.
+        """
+        cache = self._cache
+        if cache is None:
+            self.queue.put(request)
+            return
+        outcome, values = cache.admit(request, self._weights.latest_version)
+        if outcome == HIT:
+            request.finish(self._delivered, values)  # type: ignore[arg-type]
+            return
+        if outcome == JOINED:
+            self.queue.waiting(request.caller)
+            return
+        try:
+            self.queue.put(request)
+        except BaseException as err:
+            fail_all(cache.release([request]), err)  # the rows that joined it fail with it
+            raise

@@ -1,0 +1,133 @@
+"""One device's copy of the served policy.
+
+A :class:`Replica` owns a deep copy of the policy on its device, the version
+of the weights that copy holds, and (on CUDA) the stream its batches run on.
+It changes its weights only in :meth:`Replica.refresh`, which the serve loop
+calls between two batches, so a batch is computed with exactly one version.
+
+On CUDA, a batch's host-to-device copies, its forward, the copy of its
+outputs to the output device and weight applies are all queued on the
+replica's own stream, ordered with events: the stream waits for the device's
+default stream (where actors made their tensors) and for the snapshot's
+event before it reads them, and the serve loop waits for the stream alone
+(never ``torch.cuda.synchronize()``, which would also wait for a trainer's
+kernels on the same GPU) before it hands results out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import TensorDictModuleBase, set_interaction_type
+
+from torchrl_batchserve.weights import ShadowWeights
+
+__all__ = ["Replica", "served_copy"]
+
+
+def served_copy(policy: TensorDictModuleBase, device: torch.device | None) -> TensorDictModuleBase:
+    """A deep copy of ``policy`` on ``device``, that nothing outside the server holds.
+
+    Parameters, buffers and submodules are copied; a plain attribute that
+    cannot be copied (a lock, an event, a handle) is shared with ``policy``.
+    """
+    memo: dict[int, Any] = {}
+    for module in policy.modules():
+        for value in vars(module).values():
+            if isinstance(value, (torch.Tensor, torch.nn.Module, dict, list, tuple, str, int, float)):
+                continue
+            try:
+                copy.deepcopy(value)
+            except Exception:
+                memo[id(value)] = value
+    try:
+        served = copy.deepcopy(policy, memo)
+    except Exception as err:
+        raise TypeError(
+            f"the server serves its own copy of the policy (copy.deepcopy), and {type(policy).__name__} cannot be "
+            f"copied: {err}. Give it a __deepcopy__ that copies its parameters and shares what cannot be copied."
+        ) from err
+    for param in served.parameters():
+        param.requires_grad_(False)  # served weights change only through versioned updates
+    return served.to(device) if device is not None else served
+
+
+class Replica:
+    """The served copy of the policy on one device, and its weight version.
+
+    Args:
+        module: the served copy (from :func:`served_copy`).
+        device: where its batches run; ``None``: on the requests' device.
+        weights: the server's staging area, read at every batch boundary.
+        index: the replica's position in the server's ``device`` list.
+    """
+
+    def __init__(self, module: TensorDictModuleBase, device: torch.device | None, weights: ShadowWeights, index: int):
+        self.module = module
+        self.device = device
+        self.index = index
+        self.version = 0
+        self.batches = 0
+        self.rows = 0
+        self._weights = weights
+        self._params = TensorDict.from_module(module)
+        self._stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+        self.foreign = self._storages()
+
+    def _storages(self) -> frozenset[int]:
+        """Where the served parameters and buffers live: no result may share that memory."""
+        return frozenset(t.untyped_storage().data_ptr() for t in self._params.values(True, True))
+
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[None]:
+        """Queue the work of the block on the replica's stream (nothing to do on CPU)."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def refresh(self) -> None:
+        """Serve the newest staged weights from this batch on (called between two batches)."""
+        snapshot = self._weights.latest()
+        if snapshot.version == self.version or snapshot.tensors is None:
+            return
+        with self.on_stream(), torch.no_grad():
+            if self._stream is not None:
+                if snapshot.ready is not None:
+                    self._stream.wait_event(snapshot.ready)
+                for value in snapshot.tensors.values(True, True):
+                    if value.is_cuda:
+                        value.record_stream(self._stream)  # not reused while this stream copies from it
+            self._params.update_(snapshot.tensors, non_blocking=self._stream is not None)
+        self.version = snapshot.version
+
+    def forward(self, batch: TensorDictBase, rows: int, interaction: Any, max_rows: int) -> TensorDictBase:
+        """Run the policy on ``batch`` (on this replica's device and stream); its output TensorDict."""
+        with self.on_stream():
+            if self._stream is not None:
+                self._stream.wait_stream(torch.cuda.default_stream(self._stream.device))
+            if self.device is not None and batch.device != self.device:
+                batch = batch.to(self.device, non_blocking=True)
+            with set_interaction_type(interaction):
+                if rows <= max_rows or not batch.batch_dims:
+                    output = self.module(batch)
+                else:  # one request larger than a batch: run it in slices
+                    output = torch.cat(
+                        [self.module(batch[i : i + max_rows]) for i in range(0, rows, max_rows)]  # type: ignore[misc]
+                    )
+        return batch if output is None else output
+
+    def fetch(self, output: TensorDictBase, device: torch.device | None) -> TensorDictBase:
+        """``output`` on ``device`` (``None``: where it is), complete and safe to read on return."""
+        with self.on_stream():
+            if device is not None and output.device != device:
+                output = output.to(device, non_blocking=True)
+            if self._stream is not None:
+                self._stream.synchronize()  # this stream only: its forward and copies are done
+        return output

@@ -1,0 +1,345 @@
+"""The one serve loop, and the steps of one batch.
+
+::
+
+    take_batch -> claim -> refresh weights -> collate -> forward on the replica
+               -> check the output -> own it -> stamp version -> split -> resolve
+
+Every request, from any transport, goes this way. :class:`Serving` holds
+what all replicas share (the queue, the layout, the collate, the cache,
+the statistics) and runs :meth:`Serving.loop` once per replica, in that
+replica's thread. It holds no reference to the server, so a server that is
+dropped without ``close()`` can be collected (its finalizer closes the queue
+and the loops end).
+
+Results are owned by their callers: a value handed out never shares memory
+with the served parameters, the batch's inputs or a buffer the policy keeps
+(see :func:`owned`), and each caller gets its own rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase, is_non_tensor
+from tensordict.utils import NestedKey
+
+from torchrl_batchserve.cache import EvaluationCache
+from torchrl_batchserve.errors import BadRequestError, ForwardTimeoutError, PolicyError, ServerBrokenError
+from torchrl_batchserve.layout import Layout
+from torchrl_batchserve.queue import FireReason, RequestQueue
+from torchrl_batchserve.replica import Replica
+from torchrl_batchserve.request import Request, fail_all, resolve
+from torchrl_batchserve.stats import StatisticsRecorder
+
+__all__ = ["Serving", "owned"]
+
+_log = logging.getLogger(__name__)
+
+Outcome = tuple[list[Request], Any, BaseException | None]  # (requests, their columns, or the error they get)
+
+
+def _refs(value: Any) -> int:
+    return sys.getrefcount(value)
+
+
+def _fresh_refs() -> int:
+    td = TensorDict(x=torch.zeros(1))
+    return _refs(td.get("x"))
+
+
+_FRESH = _fresh_refs()  # references to a tensor held only by an output TensorDict, seen from _refs
+
+
+def owned(output: TensorDictBase, key: NestedKey, foreign: frozenset[int]) -> None:
+    """Replace ``output[key]`` by a copy if it may share memory with anything but ``output``.
+
+    A copy is made when the value is a view of another tensor (a slice or an
+    expansion of a parameter or of a buffer), lives in the storage of a
+    served parameter, buffer or batch input (``foreign``), or is referenced
+    from anywhere else (a buffer the policy writes again at every call, as a
+    CUDA-graph replay does). A fresh output, the common case, is handed out
+    as it is.
+    """
+    value = output.get(key)
+    if isinstance(value, torch.Tensor):
+        if _refs(value) > _FRESH or value._base is not None or value.untyped_storage().data_ptr() in foreign:
+            output.set(key, value.clone())
+    elif isinstance(value, TensorDictBase) and not is_non_tensor(value):
+        output.set(key, value.clone())
+
+
+class _Watchdog:
+    """Breaks the server when a forward runs past ``timeout`` seconds (the stuck thread cannot be killed)."""
+
+    def __init__(self, timeout: float, expire: Any) -> None:
+        self._timeout = timeout
+        self._expire = expire
+        self._cond = threading.Condition()
+        self._running: dict[int, tuple[float, list[Request]]] = {}  # replica index -> (deadline, group)
+        self._stopped = False
+        threading.Thread(target=self._watch, name="batchserve-watchdog", daemon=True).start()
+
+    def start(self, index: int, group: list[Request]) -> None:
+        with self._cond:
+            self._running[index] = (time.monotonic() + self._timeout, group)
+            self._cond.notify()
+
+    def stop(self, index: int) -> None:
+        with self._cond:
+            self._running.pop(index, None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _watch(self) -> None:
+        expired: list[Request] | None = None
+        with self._cond:
+            while not self._stopped:
+                if not self._running:
+                    self._cond.wait()
+                    continue
+                index, (deadline, group) = min(self._running.items(), key=lambda item: item[1][0])
+                remaining = deadline - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                    continue
+                del self._running[index]
+                expired, self._stopped = group, True
+        if expired is not None:
+            self._expire(expired)
+
+
+class Serving:
+    """What the serve loops of one server share, and the steps of a batch.
+
+    Args:
+        queue: the server's request queue.
+        layout: the request validator (confirmed by the first batch served).
+        collate: the collate transform.
+        stats: the statistics recorder.
+
+    Keyword Args:
+        cache: the evaluation cache, if any.
+        out_keys: the policy's out_keys.
+        version_key: where each result carries its version (``None``: not stamped).
+        output_device: where results go (``None``: each request's own device).
+        max_batch_size: a request larger than this runs in slices of it.
+        forward_timeout: seconds after which a forward breaks the server (``None``: never).
+    """
+
+    def __init__(
+        self,
+        queue: RequestQueue,
+        layout: Layout,
+        collate: Any,
+        stats: StatisticsRecorder,
+        *,
+        cache: EvaluationCache | None,
+        out_keys: Sequence[NestedKey],
+        version_key: NestedKey | None,
+        output_device: torch.device | None,
+        max_batch_size: int,
+        forward_timeout: float | None = None,
+    ) -> None:
+        self.queue = queue
+        self.layout = layout
+        self.collate = collate
+        self.stats = stats
+        self.cache = cache
+        self.out_keys = list(out_keys)
+        self.version_key = version_key
+        self.delivered = self.out_keys + ([version_key] if version_key is not None else [])
+        self.output_device = output_device
+        self.max_batch_size = max_batch_size
+        self.broken: BaseException | None = None
+        self._watchdog = _Watchdog(forward_timeout, self._timed_out) if forward_timeout is not None else None
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def loop(self, replica: Replica) -> None:
+        """Serve batches on ``replica`` until the queue is closed and empty, or the server breaks."""
+        torch.set_grad_enabled(False)  # grad mode is per thread
+        # torch applies set_num_threads to a thread only once it asks; until
+        # then MKL would run this thread's GEMMs on a team of one thread per core.
+        torch.get_num_threads()
+        while True:
+            taken = self.queue.take_batch()
+            if taken is None:
+                return
+            requests, reason = taken
+            try:
+                self.serve(replica, requests, reason)
+            except BaseException as err:  # a bug or a BaseException from the policy: fail all, serve no more
+                self._break(err, requests)
+                if not isinstance(err, Exception):
+                    raise
+                return
+            finally:
+                del taken, requests  # do not keep the last batch (and what its inputs view) alive while idle
+
+    def _break(self, cause: BaseException, requests: Sequence[Request], error: BaseException | None = None) -> None:
+        _log.error("the serve loop died: %r", cause, exc_info=cause)
+        self.broken = self.broken or cause
+        if error is None:
+            error = ServerBrokenError(f"the serve loop died: {cause!r}")
+            error.__cause__ = cause
+        fail_all(self._with_followers(list(requests)), error)
+        fail_all(self._with_followers(self.queue.break_(cause)), error)
+
+    def _timed_out(self, group: list[Request]) -> None:
+        error = ForwardTimeoutError("a forward ran longer than forward_timeout; the server is broken")
+        self._break(error, group, error)
+
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+
+    # -- one batch ---------------------------------------------------------------------
+
+    def serve(self, replica: Replica, requests: list[Request], reason: FireReason) -> None:
+        """Run one batch taken from the queue on ``replica`` and complete every request in it."""
+        outcomes: list[Outcome] = []
+        try:
+            live = self._claim(requests)
+            self._refresh(replica)
+            for group in _groups(live):
+                outcomes.append(self._run_group(replica, group, reason))
+            outcomes += self._followers(outcomes, replica.version)
+        finally:
+            callers = [r.caller for group, _, _ in outcomes for r in group]
+            self.queue.done_serving(callers + [r.caller for r in requests])  # idle before they wake
+        for group, columns, error in outcomes:
+            if error is None:
+                resolve(group, self.delivered, columns)
+            else:
+                fail_all(group, error)
+
+    def _refresh(self, replica: Replica) -> None:
+        version, start = replica.version, time.perf_counter()
+        replica.refresh()
+        if replica.version != version and replica.index == 0:  # counted once per version, by the first replica
+            self.stats.weight_update(time.perf_counter() - start)
+
+    def _run_group(self, replica: Replica, group: list[Request], reason: FireReason) -> Outcome:
+        layout = group[0].layout
+        if layout is not None and self.layout.specs not in (None, layout):
+            return group, None, _misfit(self.layout, group)  # another layout was served first
+        rows = sum(r.rows for r in group)
+        now, start = time.monotonic(), time.perf_counter()
+        if self._watchdog is not None:
+            self._watchdog.start(replica.index, group)
+        try:
+            columns = self._run(replica, group, rows)
+        except Exception as err:  # the policy's or the collate's: this batch only
+            outcome: Outcome = (group, None, err)
+        else:
+            outcome = (group, columns, None)
+            if layout is not None and not self.layout.confirm(layout):
+                outcome = (group, None, _misfit(self.layout, group))
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.stop(replica.index)
+        replica.batches += 1
+        replica.rows += rows
+        waits = [now - r.enqueued_at for r in group]
+        self.stats.batch(len(group), rows, reason.value, waits, time.perf_counter() - start, outcome[2] is None)
+        return outcome
+
+    def _run(self, replica: Replica, group: list[Request], rows: int) -> Sequence[Sequence[Any]]:
+        batch = self.collate.collate(group, self.layout.keys)
+        foreign = replica.foreign | {t.untyped_storage().data_ptr() for t in batch.values(True, True)}
+        output = replica.forward(batch, rows, group[0].interaction, self.max_batch_size)
+        self._check(output, rows if batch.batch_dims else None)  # a packed batch has no rows: its collate checks
+        output = replica.fetch(output, self.output_device or group[0].device)
+        for key in self.out_keys:
+            owned(output, key, foreign)
+        if self.version_key is not None:
+            output.set(self.version_key, torch.full((rows,), replica.version, dtype=torch.long, device=output.device))
+        return self.collate.split(output, group, self.delivered)
+
+    def _check(self, output: Any, rows: int | None) -> None:
+        """Raise :class:`PolicyError` unless ``output`` holds every out_key with ``rows`` rows."""
+        if not isinstance(output, TensorDictBase):
+            raise PolicyError(f"the policy returned {type(output).__name__}; expected a TensorDict (or None)")
+        have = output.keys(include_nested=True)
+        for key in self.out_keys:
+            if key not in have:
+                raise PolicyError(
+                    f"out_key {key!r}: missing from the policy's output (it has {sorted(map(str, output.keys(True)))})"
+                )
+            value = output.get(key)
+            if isinstance(value, torch.Tensor):
+                if rows is not None and (not value.shape or value.shape[0] != rows):
+                    raise PolicyError(
+                        f"out_key {key!r}: expected a leading dim of the batch's {rows} rows, "
+                        f"got shape {tuple(value.shape)}"
+                    )
+            elif not isinstance(value, TensorDictBase):
+                raise PolicyError(
+                    f"out_key {key!r}: expected a tensor, a TensorDict or non-tensor data, got {type(value).__name__}"
+                )
+
+    # -- cancellation and the evaluation cache --------------------------------------
+
+    def _claim(self, requests: list[Request]) -> list[Request]:
+        """The requests to compute: cancelled ones dropped, unless others wait on their row."""
+        live = []
+        for request in requests:
+            current: Request | None = request
+            while current is not None and not current.claim():
+                current = self.cache.promote(current) if self.cache is not None else None
+            if current is not None:
+                live.append(current)
+        return live
+
+    def _followers(self, outcomes: list[Outcome], version: int) -> list[Outcome]:
+        """Store computed rows in the cache; the coalesced requests and their outcomes."""
+        if self.cache is None:
+            return []
+        out: list[Outcome] = []
+        for group, columns, error in outcomes:
+            if error is None:
+                waiting, rows = self.cache.complete(group, columns, version)
+                if waiting:
+                    out.append((waiting, list(zip(*rows)), None))
+            else:
+                waiting = self.cache.release(group)
+                if waiting:
+                    out.append((waiting, None, error))
+        return out
+
+    def _with_followers(self, requests: list[Request]) -> list[Request]:
+        if self.cache is None or not requests:
+            return requests
+        return requests + self.cache.release(requests)
+
+
+def _groups(live: list[Request]) -> list[list[Request]]:
+    """One forward per interaction type (process-global in tensordict) and per unconfirmed layout."""
+    if not live:
+        return []
+    first = live[0]
+    if all(r.interaction is first.interaction and r.layout == first.layout for r in live):
+        return [live]
+    by: dict[Any, list[Request]] = {}
+    for r in live:
+        by.setdefault((r.interaction, r.layout), []).append(r)
+    return list(by.values())
+
+
+def _misfit(layout: Layout, group: list[Request]) -> BaseException:
+    """The error of requests queued before ``layout`` was confirmed, that do not fit it."""
+    try:
+        layout.check(group[0].td)
+    except BadRequestError as err:
+        return err
+    return BadRequestError("the request does not fit the layout the server has served since it was queued")
