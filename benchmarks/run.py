@@ -108,11 +108,12 @@ def drive_threads(call: Callable, make: Callable, actors: int, per_actor: int) -
     latencies: list[list[float]] = [[] for _ in range(actors)]
 
     def actor(i: int) -> None:
-        td = make(torch.Generator().manual_seed(i))
+        g = torch.Generator().manual_seed(i)
         lat = latencies[i]
         with torch.no_grad():
             barrier.wait()
             for _ in range(per_actor):
+                td = make(g)  # a fresh TensorDict per request, as an env step makes
                 t = time.perf_counter()
                 call(td)
                 lat.append(time.perf_counter() - t)
@@ -130,19 +131,20 @@ def drive_threads(call: Callable, make: Callable, actors: int, per_actor: int) -
 def drive_tasks(acall: Callable, make: Callable, tasks: int, per_task: int) -> tuple[float, list[float], float]:
     """Like :func:`drive_threads`: the clock starts once every task is running and has been served once."""
     latencies: list[float] = []
-    tds = [make(torch.Generator().manual_seed(i)) for i in range(tasks)]
 
-    async def task(td: TensorDict, ready: asyncio.Barrier) -> None:
-        await acall(td)
+    async def task(i: int, ready: asyncio.Barrier) -> None:
+        g = torch.Generator().manual_seed(i)
+        await acall(make(g))
         await ready.wait()
         for _ in range(per_task):
+            td = make(g)  # a fresh TensorDict per request, as an env step makes
             t = time.perf_counter()
             await acall(td)
             latencies.append(time.perf_counter() - t)
 
     async def main() -> tuple[float, float]:
         ready = asyncio.Barrier(tasks + 1)
-        running = asyncio.gather(*(task(td, ready) for td in tds))
+        running = asyncio.gather(*(task(i, ready) for i in range(tasks)))
         await ready.wait()
         start, cpu = time.perf_counter(), time.process_time()
         await running

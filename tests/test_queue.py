@@ -130,8 +130,8 @@ def test_with_two_runners_two_batches_run_at_once_and_a_third_waits_for_one():
     q = RequestQueue(max_batch_size=1, timeout=1e9, runners=2)
     for caller in "abc":
         q.put(R(caller=caller))
-    first, second = q.take_batch(), q.take_batch()  # two runners: both taken without done_serving
+    first, second = q.take_batch(0), q.take_batch(1)  # two replicas: both taken without done_serving
     assert [r.caller for r in first[0] + second[0]] == ["a", "b"]
-    assert q._free == 0
-    q.done_serving(["a"])
-    assert [r.caller for r in q.take_batch()[0]] == ["c"]
+    assert not q._free
+    q.done_serving(["a"], 0)
+    assert [r.caller for r in q.take_batch(0)[0]] == ["c"]

@@ -22,9 +22,9 @@ request is split across forwards only when it alone exceeds ``max_batch_size``
 (the server does that; a request whose cost alone exceeds ``max_batch_cost`` is
 refused before it is queued).
 
-Who runs a batch: only the server's serve loops, one per replica, each
-taking batches with :meth:`RequestQueue.take_batch`; at most one batch per
-replica runs at a time. No caller ever runs a batch in its own thread. The
+Who runs a batch: only the serve loops, one per replica, each taking
+batches for its replica with :meth:`RequestQueue.take_batch`; a replica runs
+one batch at a time, and no caller ever runs a batch in its own thread. A
 serve loop is woken when a rule may have become true (a request enters an
 empty queue, a batch fills, every caller waits), not per request.
 """
@@ -96,13 +96,16 @@ class RequestQueue:
         self._idle: set[Any] = set()
         self._queued_by_caller: dict[Any, int] = {}
         self._closed = False
-        self._runners = runners
-        self._free = runners  # runners not serving a batch now
+        self._free = set(range(runners))  # the replicas not running a batch now
         self._broken: BaseException | None = None
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
 
     def put(self, request: Request) -> None:
         """Enqueue ``request``, or raise at once if it can never be served (closed, broken, too big, full)."""
@@ -125,11 +128,11 @@ class RequestQueue:
             caller = request.caller
             self._queued_by_caller[caller] = self._queued_by_caller.get(caller, 0) + 1
             self._idle.discard(caller)
-            # Wake a serve loop only when a rule may have become true: the
-            # queue was empty (start the timeout clock), the batch is full,
-            # or every caller now waits.
+            # Wake the serve loops only when a rule may have become true for a
+            # free replica: the queue was empty (start the timeout clock), the
+            # batch is full, or every caller now waits.
             if self._free and (was_empty or self._full() or not self._idle):
-                self._cond.notify()
+                self._cond.notify_all()
 
     def waiting(self, caller: Any) -> None:
         """``caller`` now waits on a request outside the queue (a coalesced row)."""
@@ -137,23 +140,23 @@ class RequestQueue:
             if caller in self._idle:
                 self._idle.discard(caller)
                 if not self._idle and self._items and self._free:
-                    self._cond.notify()  # all_waiting may hold now
+                    self._cond.notify_all()  # all_waiting may hold now
 
-    def take_batch(self) -> tuple[list[Request], FireReason] | None:
-        """Block until the rule fires and a runner is free; return the batch and why.
+    def take_batch(self, replica: int = 0) -> tuple[list[Request], FireReason] | None:
+        """Block until the rule fires and ``replica`` is free; return the batch and why.
 
-        The caller runs the batch and then calls :meth:`done_serving`.
+        The caller runs the batch on ``replica`` and then calls :meth:`done_serving`.
         Returns ``None`` once the queue is closed and empty.
         """
         with self._cond:
             while True:
-                if self._items and self._free:
+                if self._items and replica in self._free:
                     reason = self._rule()
                     if isinstance(reason, FireReason):
-                        self._free -= 1
+                        self._free.discard(replica)
                         batch = self._pop()
                         if self._items and self._free:
-                            self._cond.notify()  # another runner may take what is left
+                            self._cond.notify_all()  # another replica's loop may take what is left
                         return batch, reason
                     self._cond.wait(reason)
                     continue
@@ -175,13 +178,13 @@ class RequestQueue:
         self._idle.clear()  # callers that did not come back are forgotten
         return FireReason.TIMEOUT
 
-    def done_serving(self, callers: Iterable[Any]) -> None:
-        """A runner is free again; ``callers`` were just served (call before waking them)."""
+    def done_serving(self, callers: Iterable[Any], replica: int = 0) -> None:
+        """``replica`` is free again; ``callers`` were just served (call before waking them)."""
         with self._cond:
-            self._free = min(self._free + 1, self._runners)
+            self._free.add(replica)
             self._idle.update(set(callers).difference(self._queued_by_caller))  # served, nothing queued
             if self._items or self._closed:
-                self._cond.notify()
+                self._cond.notify_all()
 
     def close(self, cancel_pending: bool = False) -> list[Request]:
         """Refuse new requests; return the queued ones if ``cancel_pending``.

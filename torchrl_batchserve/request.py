@@ -36,7 +36,16 @@ from tensordict.nn import InteractionType
 
 from torchrl_batchserve.errors import ServerBrokenError
 
-__all__ = ["AsyncRequest", "BlockingRequest", "FutureRequest", "Request", "fail_all", "resolve", "write_outputs"]
+__all__ = [
+    "AsyncRequest",
+    "BlockingRequest",
+    "FutureRequest",
+    "Relay",
+    "Request",
+    "fail_all",
+    "resolve",
+    "write_outputs",
+]
 
 
 class Request:
@@ -142,15 +151,20 @@ class Request:
 
 
 class BlockingRequest(Request):
-    """A request whose caller blocks in :meth:`wait` until it is completed."""
+    """A request whose caller blocks in :meth:`wait` until it is completed.
 
-    __slots__ = ("_lock", "abandoned")
+    Completed blocking requests are woken through a :class:`Relay`.
+    """
+
+    __slots__ = ("_lock", "abandoned", "next", "relay")
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._lock = threading.Lock()
         self._lock.acquire()
         self.abandoned = False
+        self.next: BlockingRequest | None = None
+        self.relay: Relay | None = None
 
     def claim(self) -> bool:
         return not self.abandoned and not self.done
@@ -168,12 +182,94 @@ class BlockingRequest(Request):
         """
         try:
             while not self._lock.acquire(timeout=check_every):
+                if self.done:
+                    break  # completed, but the caller before us in the relay was interrupted
                 if not is_alive():
                     self.fail(ServerBrokenError("the serve loop stopped without answering"))
         except BaseException:
             self.abandoned = True
+            if self.relay is not None:
+                self.relay.pass_on(self)  # the callers after it in the relay must not wait for it
             raise
+        if self.relay is not None:
+            self.relay.pass_on(self)
         return self._result()
+
+
+class Relay:
+    """Wakes completed blocking callers one after another, in one chain per server.
+
+    Waking a thread costs the waker a system call with the GIL held, and a
+    woken thread that finds the GIL taken sleeps again until it is free:
+    woken all at once, the callers of a batch pile up on the GIL with the
+    serve loop and with each other. So the serve loop wakes only the first
+    caller of a batch, and each caller wakes the next as it wakes
+    (:meth:`pass_on`). The callers of a batch completed while a chain is
+    still being passed along join its end rather than start a second chain.
+
+    A forward gives the GIL back at every torch op and must win it back from
+    the callers of a running chain each time; so when a batch took less time
+    than waking its callers will, the serve loop waits for the chain to run
+    out (:meth:`wait_idle`) before it takes the next batch.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tail: BlockingRequest | None = None
+        self._idle_waiter: threading.Lock | None = None
+        self._started = 0.0
+        self._woken = 0
+        self._per_wake = 0.0
+
+    def start(self, chain: list[BlockingRequest]) -> None:
+        """Wake ``chain`` one after another, after any chain running now."""
+        for before, after in zip(chain, chain[1:]):
+            before.next = after
+        for request in chain:
+            request.relay = self
+        with self._lock:
+            running = self._tail
+            if running is not None:
+                running.next = chain[0]
+            else:
+                self._started, self._woken = time.perf_counter(), 0
+            self._tail = chain[-1]
+        if running is None:
+            chain[0]._lock.release()
+
+    def pass_on(self, request: BlockingRequest) -> None:
+        """``request``'s caller woke (or left): wake the next one."""
+        idle = None
+        with self._lock:
+            follower, request.next = request.next, None
+            self._woken += 1
+            if follower is None and self._tail is request:
+                self._tail = None
+                self._per_wake = (time.perf_counter() - self._started) / self._woken
+                idle, self._idle_waiter = self._idle_waiter, None
+        if follower is not None:
+            follower._lock.release()
+        elif idle is not None:
+            idle.release()
+
+    def seconds_per_wake(self) -> float:
+        """How long a chain takes per caller: the running one's so far, else the last one's."""
+        with self._lock:
+            if self._tail is not None and self._woken:
+                return (time.perf_counter() - self._started) / self._woken
+            return self._per_wake
+
+    def wait_idle(self, timeout: float) -> None:
+        """Block until no chain is being passed along, for at most ``timeout`` seconds."""
+        with self._lock:
+            if self._tail is None:
+                return
+            waiter = self._idle_waiter = threading.Lock()
+            waiter.acquire()
+        if not waiter.acquire(timeout=timeout):
+            with self._lock:
+                if self._idle_waiter is waiter:
+                    self._idle_waiter = None
 
 
 class FutureRequest(Request):
@@ -247,21 +343,30 @@ def _call_in_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, arg: Any
         pass  # the loop is closed: nobody is left to wait for these results
 
 
-def resolve(requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[Sequence[Any]]) -> None:
+def resolve(
+    requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[Sequence[Any]], relay: Relay | None = None
+) -> None:
     """Complete ``requests[i]`` with ``columns[k][i]`` for each key ``keys[k]``.
 
-    Requests of an event loop are settled with one call per loop; the others
-    are woken one by one.
+    Requests of an event loop are settled with one call per loop; blocking
+    callers are woken as a relay (:class:`BlockingRequest`); futures directly.
     """
     by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
+    chain: list[BlockingRequest] = []
     rows = zip(*columns) if columns else [()] * len(requests)
     for request, values in zip(requests, rows):
-        if request.loop is None:
+        if request.loop is not None:
+            if request._store(keys, values, None):
+                by_loop.setdefault(request.loop, []).append(request)
+        elif type(request) is BlockingRequest and relay is not None:
+            if request._store(keys, values, None) and not request.abandoned:
+                chain.append(request)
+        else:
             request.finish(keys, values)
-        elif request._store(keys, values, None):
-            by_loop.setdefault(request.loop, []).append(request)
     for loop, group in by_loop.items():
         _call_in_loop(loop, _settle, group)
+    if chain:
+        relay.start(chain)  # type: ignore[union-attr]
 
 
 def fail_all(requests: Sequence[Request], error: BaseException) -> None:

@@ -31,11 +31,16 @@ from tensordict import TensorDict, TensorDictBase, is_non_tensor
 from tensordict.utils import NestedKey
 
 from torchrl_batchserve.cache import EvaluationCache
-from torchrl_batchserve.errors import BadRequestError, ForwardTimeoutError, PolicyError, ServerBrokenError
+from torchrl_batchserve.errors import (
+    BadRequestError,
+    ForwardTimeoutError,
+    PolicyError,
+    ServerBrokenError,
+)
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import FireReason, RequestQueue
 from torchrl_batchserve.replica import Replica
-from torchrl_batchserve.request import Request, fail_all, resolve
+from torchrl_batchserve.request import Relay, Request, fail_all, resolve
 from torchrl_batchserve.stats import StatisticsRecorder
 
 __all__ = ["Serving", "owned"]
@@ -161,6 +166,7 @@ class Serving:
         self.output_device = output_device
         self.max_batch_size = max_batch_size
         self.broken: BaseException | None = None
+        self.relay = Relay()  # one wake-up chain for all blocking callers of this server
         self._watchdog = _Watchdog(forward_timeout, self._timed_out) if forward_timeout is not None else None
 
     # -- the loop ----------------------------------------------------------------------
@@ -172,12 +178,18 @@ class Serving:
         # then MKL would run this thread's GEMMs on a team of one thread per core.
         torch.get_num_threads()
         while True:
-            taken = self.queue.take_batch()
+            taken = self.queue.take_batch(replica.index)
             if taken is None:
                 return
             requests, reason = taken
             try:
+                started = time.perf_counter()
                 self.serve(replica, requests, reason)
+                # A batch shorter than waking its callers waits for them to
+                # wake first: run together, the forward and the callers fight
+                # over the GIL at every torch op (request.Relay).
+                if time.perf_counter() - started < len(requests) * self.relay.seconds_per_wake():
+                    self.relay.wait_idle(self.queue.timeout)
             except BaseException as err:  # a bug or a BaseException from the policy: fail all, serve no more
                 self._break(err, requests)
                 if not isinstance(err, Exception):
@@ -216,10 +228,10 @@ class Serving:
             outcomes += self._followers(outcomes, replica.version)
         finally:
             callers = [r.caller for group, _, _ in outcomes for r in group]
-            self.queue.done_serving(callers + [r.caller for r in requests])  # idle before they wake
+            self.queue.done_serving(callers + [r.caller for r in requests], replica.index)  # idle before they wake
         for group, columns, error in outcomes:
             if error is None:
-                resolve(group, self.delivered, columns)
+                resolve(group, self.delivered, columns, self.relay)
             else:
                 fail_all(group, error)
 
