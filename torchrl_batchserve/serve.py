@@ -56,7 +56,8 @@ def _refs(value: Any) -> int:
 
 def _fresh_refs() -> int:
     td = TensorDict(x=torch.zeros(1))
-    return _refs(td.get("x"))
+    value = td.get("x")  # as owned() holds it
+    return _refs(value)
 
 
 _FRESH = _fresh_refs()  # references to a tensor held only by an output TensorDict, seen from _refs
@@ -269,8 +270,9 @@ class Serving:
     def _run(self, replica: Replica, group: list[Request], rows: int) -> Sequence[Sequence[Any]]:
         batch = self.collate.collate(group, self.layout.keys)
         foreign = replica.foreign | {t.untyped_storage().data_ptr() for t in batch.values(True, True)}
+        packed = not batch.batch_dims  # a packed batch has no rows: its collate checks its outputs
         output = replica.forward(batch, rows, group[0].interaction, self.max_batch_size)
-        self._check(output, rows if batch.batch_dims else None)  # a packed batch has no rows: its collate checks
+        self._check(output, None if packed else rows)
         output = replica.fetch(output, self.output_device or group[0].device)
         for key in self.out_keys:
             owned(output, key, foreign)

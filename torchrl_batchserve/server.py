@@ -128,7 +128,8 @@ class BatchedPolicyServer(TensorDictModule):
     which a trainer may train in place while the server serves, then push
     with ``server.update_weights()`` (no argument: that module's current
     weights). Calling the server, ``server(td)``, serves ``td`` batched like
-    a ``RemotePolicy``; pickled, the server becomes one.
+    a ``RemotePolicy`` (so ``Collector(env, server)`` is served batched); the
+    server itself cannot be pickled: worker processes take ``remote_policy()``.
 
     Args:
         policy: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with
@@ -296,8 +297,12 @@ class BatchedPolicyServer(TensorDictModule):
         return self._endpoint.call(tensordict)
 
     def __reduce__(self) -> tuple:
-        # Where a policy is pickled (a multi-process collector), the server travels as its RemotePolicy.
-        return self.remote_policy().__reduce__()
+        # A multi-process collector would pickle the server and sync its parameters into
+        # the workers' copies: only its RemotePolicy travels, and holds no weights.
+        raise TypeError(
+            "a BatchedPolicyServer cannot be pickled or copied; give worker processes (e.g. MultiSyncCollector) "
+            "server.remote_policy() as their policy: it pickles, and reaches this server from there"
+        )
 
     def __repr__(self) -> str:
         devices = [str(r.device) for r in self._replicas]

@@ -1,0 +1,257 @@
+"""The faults a training loop meets (#21): each one fails only whom it must, and nothing hangs."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import socket
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+from conftest import GatedPolicy, make_mlp
+from tensordict import NonTensorData, TensorDict
+from tensordict.nn import TensorDictModule, TensorDictModuleBase
+
+from torchrl_batchserve import (
+    BadRequestError,
+    BatchedPolicyServer,
+    EvaluationCache,
+    ForwardTimeoutError,
+    PolicyError,
+    ServerBrokenError,
+    ServerClosedError,
+    WeightSyncError,
+)
+
+
+def obs(*batch, n=8):
+    return TensorDict(observation=torch.randn(*batch, n), batch_size=list(batch))
+
+
+def client_of(server):
+    """A process client of ``server`` in this process (the path a worker process takes)."""
+    return pickle.loads(pickle.dumps(server.remote_policy()))
+
+
+def test_an_interrupted_worker_call_never_shifts_the_replies_of_later_calls():
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    with BatchedPolicyServer(gated, timeout=0.001) as server:
+        client = client_of(server)
+        endpoint = client._endpoint
+        interrupted = threading.Event()
+
+        def interrupt_after_send(conn, td, rows, shape):  # the call is interrupted while it waits
+            interrupted.set()
+            raise KeyboardInterrupt
+
+        real_wait = endpoint._wait
+        endpoint._wait = interrupt_after_send
+        with pytest.raises(KeyboardInterrupt):
+            client(TensorDict(observation=torch.zeros(8)))
+        endpoint._wait = real_wait
+        assert gated.entered.wait(10)  # the interrupted request is in the forward
+        gated.gate.set()
+        for _ in range(3):
+            td = obs()
+            out = client(td)
+            with torch.no_grad():
+                torch.testing.assert_close(out["logits"], gated.net(td["observation"]))
+
+
+class OneRowTooMany(TensorDictModuleBase):
+    def __init__(self):
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["logits"]
+
+    def forward(self, td):
+        return TensorDict(logits=torch.zeros(td.batch_size[0] + 1, 3), batch_size=[td.batch_size[0] + 1])
+
+
+def test_a_policy_returning_wrong_rows_fails_every_path_with_policy_error():
+    with BatchedPolicyServer(OneRowTooMany()) as server:
+        with pytest.raises(PolicyError, match="out_key 'logits'"):
+            server.remote_policy()(obs())
+        with pytest.raises(PolicyError, match="out_key 'logits'"):
+            client_of(server)(obs())
+
+
+def test_cancelling_a_coalesced_request_leaves_the_serve_loop_serving():
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    with BatchedPolicyServer(gated, cache=EvaluationCache(), timeout=0.001) as server:
+        remote = server.remote_policy()
+        warm = remote.submit(obs())
+        assert gated.entered.wait(10)
+        same = torch.ones(8)
+        leader = remote.submit(TensorDict(observation=same.clone()))
+        follower = remote.submit(TensorDict(observation=same.clone()))  # joins the leader's row
+        assert server.statistics().cache_coalesced == 1
+        assert follower.cancel()
+        gated.gate.set()
+        warm.result(10)
+        assert leader.result(10)["logits"].shape == (3,)
+        after = remote.submit(obs()).result(10)  # the loop is alive
+        assert after["logits"].shape == (3,)
+    assert server.close() is True
+
+
+def test_a_malformed_request_queued_before_any_success_never_locks_the_good_ones_out():
+    calls = {"n": 0}
+    net = make_mlp()
+
+    class Flaky(GatedPolicy):
+        def forward(self, td):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("transient")
+            return super().forward(td)
+
+    gated = Flaky(net, block_first=1)
+    with BatchedPolicyServer(gated, timeout=0.001, max_batch_size=1) as server:
+        remote = server.remote_policy()
+        with pytest.raises(RuntimeError, match="transient"):
+            remote(obs())
+        good = remote.submit(obs())
+        assert gated.entered.wait(10)  # the next batch runs
+        bad = remote.submit(obs(n=5))  # no layout yet: accepted, queued
+        later = remote.submit(obs())
+        gated.gate.set()
+        assert good.result(10)["logits"].shape == (3,)
+        with pytest.raises(BadRequestError, match=r"key 'observation': expected feature shape \(8,\)"):
+            bad.result(10)
+        assert later.result(10)["logits"].shape == (3,)
+        with pytest.raises(BadRequestError):
+            remote(obs(n=5))  # refused at submit from now on
+
+
+class Bomb:
+    """Pickles fine, and raises when the hub unpickles it."""
+
+    def __reduce__(self):
+        return (_explode, ())
+
+
+def _explode():
+    raise RuntimeError("this message cannot be read")
+
+
+def test_a_message_the_hub_cannot_read_fails_that_request_only():
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        client = client_of(server)
+        with pytest.raises(RuntimeError, match="this message cannot be read"):
+            client(TensorDict(observation=NonTensorData(Bomb())))
+        assert client(obs())["logits"].shape == (3,)  # the hub survived
+        assert client_of(server)(obs())["logits"].shape == (3,)
+
+
+def test_a_client_stalled_in_the_handshake_blocks_no_one():
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    server = BatchedPolicyServer(policy)
+    client = client_of(server)
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.connect(server._hub.address)  # and never sends its key
+    try:
+        assert client(obs())["logits"].shape == (3,)
+        start = time.monotonic()
+        assert server.close(timeout=5) is True
+        assert time.monotonic() - start < 5
+    finally:
+        stalled.close()
+
+
+def test_a_hanging_forward_fails_its_callers_past_forward_timeout_and_close_gives_up_on_time():
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    server = BatchedPolicyServer(gated, forward_timeout=0.2, max_batch_size=1)
+    remote = server.remote_policy()
+    stuck = remote.submit(obs())
+    assert gated.entered.wait(10)
+    queued = remote.submit(obs())
+    with pytest.raises(ForwardTimeoutError):
+        stuck.result(10)
+    with pytest.raises(ServerBrokenError):
+        queued.result(10)
+    with pytest.raises(ServerBrokenError):
+        remote(obs())
+    assert server.close(timeout=0.5) is False  # the stuck thread cannot be stopped
+    gated.gate.set()
+
+
+def test_close_that_gives_up_fails_every_queued_request():
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    server = BatchedPolicyServer(gated, max_batch_size=1, timeout=1e6)
+    remote = server.remote_policy()
+    first = remote.submit(obs())
+    assert gated.entered.wait(10)
+    queued = [remote.submit(obs()) for _ in range(3)]
+    assert server.close(timeout=0.3) is False
+    for f in queued:
+        with pytest.raises(ServerClosedError):
+            f.result(1)
+    gated.gate.set()
+    assert first.result(10)["logits"].shape == (3,)
+
+
+def test_an_identical_request_after_update_weights_gets_the_new_version():
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    with BatchedPolicyServer(gated, cache=EvaluationCache(), timeout=0.001) as server:
+        remote = server.remote_policy()
+        same = torch.ones(8)
+        leader = remote.submit(TensorDict(observation=same.clone()))
+        assert gated.entered.wait(10)  # in flight with version 0
+        version = server.update_weights(gated)
+        after = remote.submit(TensorDict(observation=same.clone()))  # must not join the old computation
+        gated.gate.set()
+        assert int(leader.result(10)["policy_version"]) == 0
+        assert int(after.result(10)["policy_version"]) == version == 1
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (torch.randn(8).to_sparse(), "expected a dense \\(strided\\) tensor, got layout torch.sparse_coo"),
+        (torch.nested.nested_tensor([torch.randn(8)]), "a nested tensor"),
+    ],
+)
+def test_tensors_no_collate_can_batch_are_refused_at_submit(value, message):
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        with pytest.raises(BadRequestError, match=message):
+            remote.submit(TensorDict(observation=value, batch_size=[]))
+        assert remote(obs())["logits"].shape == (3,)
+        with pytest.raises(BadRequestError, match=message):
+            remote.submit(TensorDict(observation=value, batch_size=[]))
+
+
+def test_zero_rows_are_refused_the_same_way_in_process_and_from_a_worker():
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        for remote in (server.remote_policy(), client_of(server)):
+            with pytest.raises(BadRequestError, match="at least one row"):
+                remote(obs(0))
+
+
+def test_meta_weights_are_refused_with_a_weight_sync_error():
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        with pytest.raises(WeightSyncError, match="meta device"):
+            server.update_weights(TensorDict.from_module(policy).to("meta"))
+        assert int(server.remote_policy()(obs())["policy_version"]) == 0
+
+
+def test_a_server_dropped_without_close_ends_its_threads_and_removes_its_socket():
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    server = BatchedPolicyServer(policy)
+    client_of(server)(obs())
+    threads, folder = list(server._threads), os.path.dirname(server._hub.address)
+    ref = weakref.ref(server)
+    del server
+    gc.collect()
+    assert ref() is None
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads) and not os.path.exists(folder)

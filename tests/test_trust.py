@@ -1,0 +1,205 @@
+"""Results owned by their callers, and a trainer that trains the module it serves (#20)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from conftest import make_mlp
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictModuleBase
+
+from torchrl_batchserve import BatchedPolicyServer, PolicyError
+
+
+def obs(*batch, n=8):
+    return TensorDict(observation=torch.randn(*batch, n), batch_size=list(batch))
+
+
+class BiasHead(torch.nn.Module):
+    """A value head whose output is a view of its parameter (an expansion of the bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.bias.expand(observation.shape[0], 3)
+
+
+class BufferPolicy(TensorDictModuleBase):
+    """Writes its output into one persistent buffer at every call, as a CUDA-graph replay does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["logits"]
+        self.net = make_mlp()
+        self.out = torch.zeros(64, 3)  # not a registered buffer: only its references can tell
+
+    def forward(self, td):
+        rows = td.batch_size[0]
+        self.out[:rows] = self.net(td["observation"])
+        td.set("logits", self.out[:rows] if rows < 64 else self.out)
+        return td
+
+
+class SameObjectPolicy(BufferPolicy):
+    """Hands out the very buffer object (a full batch every time)."""
+
+    def forward(self, td):
+        self.out.copy_(self.net(td["observation"]).expand(64, 3)[: self.out.shape[0]])
+        td.set("logits", self.out[: td.batch_size[0]].clone() if td.batch_size[0] != 64 else self.out)
+        return td
+
+
+def test_a_result_that_views_a_parameter_keeps_its_values_after_update_weights():
+    policy = TensorDictModule(BiasHead(), in_keys=["observation"], out_keys=["value"])
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        first = remote(obs())
+        assert first["value"].tolist() == [0.0, 0.0, 0.0]
+        server.update_weights({"module.bias": torch.ones(3)})
+        second = remote(obs())
+    assert first["value"].tolist() == [0.0, 0.0, 0.0]  # unchanged by the update
+    assert second["value"].tolist() == [1.0, 1.0, 1.0] and int(second["policy_version"]) == 1
+
+
+@pytest.mark.parametrize("kind", [BufferPolicy, SameObjectPolicy])
+def test_a_result_from_a_reused_output_buffer_keeps_its_values_after_later_batches(kind):
+    policy = kind()
+    with BatchedPolicyServer(policy, max_batch_size=64) as server:
+        remote = server.remote_policy()
+        first = remote(obs(64) if kind is SameObjectPolicy else obs())
+        kept = first["logits"].clone()
+        for _ in range(3):
+            remote(obs(64) if kind is SameObjectPolicy else obs())
+    torch.testing.assert_close(first["logits"], kept)
+    with torch.no_grad():
+        torch.testing.assert_close(first["logits"], policy.net(first["observation"]))
+
+
+def test_writing_into_one_callers_result_changes_no_other_callers():
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, max_batch_size=16, timeout=0.5) as server:
+        remote = server.remote_policy()
+        barrier = threading.Barrier(8)
+
+        def call(td):
+            barrier.wait()
+            return remote(td)
+
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(call, [obs() for _ in range(8)]))
+        assert server.statistics().mean_batch_size > 1  # they shared batches
+    kept = [o["logits"].clone() for o in outs]
+    outs[0]["logits"].add_(100.0)
+    outs[0]["policy_version"].add_(7)
+    for out, want in zip(outs[1:], kept[1:]):
+        torch.testing.assert_close(out["logits"], want)
+        assert int(out["policy_version"]) == 0
+
+
+def test_a_fresh_output_is_handed_out_without_a_copy():
+    from torchrl_batchserve.serve import owned
+
+    output = TensorDict(a=torch.randn(4, 2), batch_size=[4])
+    fresh = output.get("a").data_ptr()  # no reference kept: only the output holds the tensor
+    owned(output, "a", frozenset())
+    assert output.get("a").data_ptr() == fresh
+    param = torch.nn.Parameter(torch.randn(2))
+    output.set("b", param.expand(4, 2))
+    owned(output, "b", frozenset())
+    assert output.get("b").data_ptr() != param.data_ptr()
+
+
+def test_training_the_served_module_in_place_while_16_threads_call_the_server():
+    torch.manual_seed(0)
+    net = make_mlp()
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    optim = torch.optim.SGD(net.parameters(), lr=0.5)
+    snapshots = {0: {k: v.clone() for k, v in net.state_dict().items()}}
+    results: list[TensorDict] = []
+    lock = threading.Lock()
+    with BatchedPolicyServer(policy, max_batch_size=16, timeout=0.001) as server:
+        remote = server.remote_policy()
+        stop = threading.Event()
+
+        def actor(seed):
+            g = torch.Generator().manual_seed(seed)
+            while not stop.is_set():
+                td = remote(TensorDict(observation=torch.randn(8, generator=g)))
+                with lock:
+                    results.append(td)
+
+        actors = [threading.Thread(target=actor, args=(i,)) for i in range(16)]
+        for a in actors:
+            a.start()
+        for _ in range(20):  # the trainer: steps on the module it passed in, then pushes it
+            loss = net(torch.randn(32, 8)).pow(2).mean()
+            optim.zero_grad()
+            loss.backward()  # never "modified by an inplace operation": the server only reads it
+            optim.step()
+            version = server.update_weights()  # no argument: the module the server was built with
+            snapshots[version] = {k: v.clone() for k, v in net.state_dict().items()}
+        stop.set()
+        for a in actors:
+            a.join(30)
+    reference = make_mlp()
+    versions = {int(td["policy_version"]) for td in results}
+    assert len(versions) > 3 and len(results) > 100
+    for td in results:
+        reference.load_state_dict(snapshots[int(td["policy_version"])])
+        with torch.no_grad():
+            torch.testing.assert_close(td["logits"], reference(td["observation"]))
+
+
+class PendulumPolicy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 1)
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.tanh(self.lin(torch.stack([th.sin(), th.cos(), thdot], -1)))
+
+
+def test_the_server_passed_as_a_collectors_policy_serves_batched_and_refuses_to_be_pickled():
+    import pickle
+
+    from torchrl.collectors import Collector
+    from torchrl.envs import PendulumEnv
+
+    net = PendulumPolicy()
+    policy = TensorDictModule(net, in_keys=["th", "thdot"], out_keys=["action"])
+    kw = {"auto_register_policy_transforms": False}
+    with BatchedPolicyServer(policy, max_batch_size=8, timeout=0.005) as server:
+        with pytest.raises(TypeError, match=r"give worker processes .* server.remote_policy\(\)"):
+            pickle.dumps(server)
+        collector = Collector(PendulumEnv, server, frames_per_batch=16, total_frames=32, **kw)
+        try:
+            batches = list(collector)
+        finally:
+            collector.shutdown()
+        served = server.statistics().requests
+    frames = sum(b.numel() for b in batches)
+    assert served >= frames // 2 > 0  # through the server, batched, versioned
+    for batch in batches:
+        assert batch["policy_version"].eq(0).all()
+        with torch.no_grad():
+            torch.testing.assert_close(batch["action"], net(batch["th"], batch["thdot"]))
+
+
+def test_a_policy_breaking_its_contract_raises_policy_error_naming_the_key():
+    class TooMany(TensorDictModuleBase):
+        def __init__(self):
+            super().__init__()
+            self.in_keys, self.out_keys = ["observation"], ["logits"]
+
+        def forward(self, td):
+            return TensorDict(logits=torch.zeros(td["observation"].shape[0] + 1, 3))  # one row too many
+
+    with BatchedPolicyServer(TooMany()) as server:
+        with pytest.raises(PolicyError, match=r"out_key 'logits': expected a leading dim of the batch's 1 rows, got shape \(2, 3\)"):
+            server.remote_policy()(obs())
