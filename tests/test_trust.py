@@ -203,3 +203,45 @@ def test_a_policy_breaking_its_contract_raises_policy_error_naming_the_key():
     with BatchedPolicyServer(TooMany()) as server:
         with pytest.raises(PolicyError, match=r"out_key 'logits': expected a leading dim of the batch's 1 rows, got shape \(2, 3\)"):
             server.remote_policy()(obs())
+
+
+def test_update_policy_weights_with_no_argument_serves_the_trained_module_as_a_new_version():
+    from torchrl.collectors import Collector
+    from torchrl.envs import PendulumEnv
+
+    net = PendulumPolicy()
+    policy = TensorDictModule(net, in_keys=["th", "thdot"], out_keys=["action"])
+    optim = torch.optim.SGD(net.parameters(), lr=0.1)
+    with BatchedPolicyServer(policy, timeout=0.001) as server:
+        collector = Collector(
+            PendulumEnv,
+            server.remote_policy(),
+            frames_per_batch=8,
+            total_frames=32,
+            auto_register_policy_transforms=False,
+            weight_sync_schemes={"policy": server.weight_sync_scheme()},
+        )
+        seen = []
+        try:
+            for batch in collector:
+                seen.append(int(batch["policy_version"][0]))
+                with torch.no_grad():  # each batch was computed by the weights of the version it carries
+                    torch.testing.assert_close(batch["action"], net_at(seen[-1])(batch["th"], batch["thdot"]))
+                loss = net(batch["th"], batch["thdot"]).pow(2).mean()
+                optim.zero_grad()
+                loss.backward()
+                optim.step()
+                _VERSIONS[server.policy_version + 1] = {k: v.clone() for k, v in net.state_dict().items()}
+                collector.update_policy_weights_()
+        finally:
+            collector.shutdown()
+    assert seen == [0, 1, 2, 3]
+
+
+_VERSIONS: dict[int, dict] = {0: {k: v.clone() for k, v in PendulumPolicy().state_dict().items()}}
+
+
+def net_at(version: int) -> PendulumPolicy:
+    net = PendulumPolicy()
+    net.load_state_dict(_VERSIONS[version])
+    return net

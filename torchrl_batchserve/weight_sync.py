@@ -59,7 +59,8 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
     ``send(weights)`` takes a policy module, a TensorDict
     (``TensorDict.from_module(policy)``) or a state_dict, and returns the new
     version. ``send()`` with no weights (e.g. ``update_policy_weights_()`` with
-    no argument) sends nothing: the collector's own policy holds no weights.
+    no argument) serves the current weights of the module the server was
+    built with, the one a trainer trains in place.
 
     Examples:
         >>> import torch
@@ -118,12 +119,19 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
             self.send(weights)
 
     def send(self, weights: Any = None, worker_ids: Any = None) -> int | None:  # type: ignore[override]
-        """Serve ``weights`` from the next batch on; return their version (``None``: nothing sent)."""
+        """Serve ``weights`` from the next batch on; return their version (``None``: nothing sent).
+
+        No weights (``update_policy_weights_()`` with no argument, or a
+        RemotePolicy's empty ones): a server in this process serves the
+        current weights of the module it was built with (the trainer's); a
+        weight group sends nothing.
+        """
+        if weights is not None:
+            weights = as_weights(weights)
+            if isinstance(weights, TensorDictBase) and weights.is_empty():
+                weights = None
         if weights is None:
-            return None
-        weights = as_weights(weights)
-        if isinstance(weights, TensorDictBase) and weights.is_empty():
-            return None  # e.g. a RemotePolicy: it holds no weights to send
+            return self._server.update_weights() if self._server is not None else None
         return self.create_transport().send_weights(weights)
 
     def create_transport(self, **kwargs: Any) -> _ServerTransport:
