@@ -5,8 +5,13 @@ import threading
 
 import pytest
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
+
+
+def obs(*batch, n: int = 8) -> TensorDict:
+    """A request of ``batch`` rows of ``n`` features (a fresh TensorDict, as an env step makes)."""
+    return TensorDict(observation=torch.randn(*batch, n), batch_size=list(batch))
 
 
 def make_mlp(obs: int = 8, act: int = 3, seed: int = 0) -> torch.nn.Module:

@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import GatedPolicy, make_mlp
+from conftest import GatedPolicy, make_mlp, obs
 from tensordict import NonTensorData, TensorDict
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 
@@ -26,10 +26,6 @@ from torchrl_batchserve import (
     ServerClosedError,
     WeightSyncError,
 )
-
-
-def obs(*batch, n=8):
-    return TensorDict(observation=torch.randn(*batch, n), batch_size=list(batch))
 
 
 def client_of(server):

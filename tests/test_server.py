@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import GatedPolicy, make_mlp
+from conftest import GatedPolicy, make_mlp, obs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -32,11 +32,6 @@ from torchrl_batchserve import (
     ServerStatistics,
     WeightSyncError,
 )
-
-
-def obs(*batch, n=8):
-    return TensorDict(observation=torch.randn(*batch, n), batch_size=list(batch))
-
 
 # -- every caller gets policy(its own input) -----------------------------------------
 

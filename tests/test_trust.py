@@ -7,15 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import make_mlp
+from conftest import make_mlp, obs
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 
 from torchrl_batchserve import BatchedPolicyServer, PolicyError
-
-
-def obs(*batch, n=8):
-    return TensorDict(observation=torch.randn(*batch, n), batch_size=list(batch))
 
 
 class BiasHead(torch.nn.Module):
