@@ -241,3 +241,28 @@ def net_at(version: int) -> PendulumPolicy:
     net = PendulumPolicy()
     net.load_state_dict(_VERSIONS[version])
     return net
+
+
+def test_two_cpu_replicas_both_serve_exact_results_with_versions_that_never_go_back():
+    net = make_mlp()
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, device=["cpu", "cpu"], max_batch_size=4, timeout=0.001) as server:
+        remote = server.remote_policy()
+
+        def actor(i):
+            seen = []
+            for _ in range(30):
+                td = remote(obs())
+                seen.append(int(td["policy_version"]))
+                with torch.no_grad():
+                    torch.testing.assert_close(td["logits"], net(td["observation"]))
+            return seen
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(actor, i) for i in range(8)]
+            for _ in range(5):
+                server.update_weights()  # the same values, a new version each time
+            seen = [f.result(60) for f in futures]
+        replicas = server.statistics().replicas
+    assert len(replicas) == 2 and all(r.batches > 0 for r in replicas)
+    assert all(s == sorted(s) for s in seen)
