@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -155,7 +154,6 @@ class WeightReceiver:
     def __init__(
         self,
         shadow: ShadowWeights,
-        on_staged: Callable[[int], None],
         address: str,
         port: int,
         rank: int,
@@ -165,7 +163,7 @@ class WeightReceiver:
     ) -> None:
         if not 1 <= rank < world_size:
             raise ValueError(f"a server's rank must be in 1..{world_size - 1} (got {rank})")
-        self._shadow, self._on_staged = shadow, on_staged
+        self._shadow = shadow
         self.rank, self.timeout = rank, timeout
         self._store, self._group = _group(address, port, rank, world_size, timeout)
         self._closed = threading.Event()
@@ -221,7 +219,6 @@ class WeightReceiver:
         for buffer in buffers.values():
             _wait(self._group.broadcast(buffer, 0))
         self._shadow.stage(self._unflatten(layout, buffers), version)
-        self._on_staged(version)
         return True
 
     def _check(self, version: int, layout: list) -> str | None:

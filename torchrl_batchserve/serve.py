@@ -36,6 +36,7 @@ from torchrl_batchserve.errors import (
     ForwardTimeoutError,
     PolicyError,
     ServerBrokenError,
+    ServerClosedError,
 )
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import FireReason, RequestQueue
@@ -166,7 +167,6 @@ class Serving:
         self.delivered = self.out_keys + ([version_key] if version_key is not None else [])
         self.output_device = output_device
         self.max_batch_size = max_batch_size
-        self.broken: BaseException | None = None
         self.relay = Relay()  # one wake-up chain for all blocking callers of this server
         self._watchdog = _Watchdog(forward_timeout, self._timed_out) if forward_timeout is not None else None
 
@@ -201,7 +201,6 @@ class Serving:
 
     def _break(self, cause: BaseException, requests: Sequence[Request], error: BaseException | None = None) -> None:
         _log.error("the serve loop died: %r", cause, exc_info=cause)
-        self.broken = self.broken or cause
         if error is None:
             error = ServerBrokenError(f"the serve loop died: {cause!r}")
             error.__cause__ = cause
@@ -212,6 +211,10 @@ class Serving:
         error = ForwardTimeoutError("a forward ran longer than forward_timeout; the server is broken")
         self._break(error, group, error)
 
+    def fail_closed(self, requests: list[Request]) -> None:
+        """Fail ``requests`` (taken from the queue by a close), and the rows coalesced on them."""
+        fail_all(self._with_followers(requests), ServerClosedError("the server was closed before this request ran"))
+
     def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.close()
@@ -221,16 +224,16 @@ class Serving:
     def serve(self, replica: Replica, requests: list[Request], reason: FireReason) -> None:
         """Run one batch taken from the queue on ``replica`` and complete every request in it."""
         outcomes: list[Outcome] = []
+        followers: list[Outcome] = []
         try:
             live = self._claim(requests)
             self._refresh(replica)
-            for group in _groups(live):
-                outcomes.append(self._run_group(replica, group, reason))
-            outcomes += self._followers(outcomes, replica.version)
+            outcomes = [self._run_group(replica, group, reason) for group in _groups(live)]
+            followers = self._followers(outcomes, replica.version)
         finally:
-            callers = [r.caller for group, _, _ in outcomes for r in group]
-            self.queue.done_serving(callers + [r.caller for r in requests], replica.index)  # idle before they wake
-        for group, columns, error in outcomes:
+            callers = [r.caller for r in requests] + [r.caller for group, _, _ in followers for r in group]
+            self.queue.done_serving(callers, replica.index)  # idle before they wake
+        for group, columns, error in outcomes + followers:
             if error is None:
                 resolve(group, self.delivered, columns, self.relay)
             else:

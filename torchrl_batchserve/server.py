@@ -38,7 +38,6 @@ from torchrl_batchserve.layout import Layout, layout_of
 from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.replica import Replica, served_copy
-from torchrl_batchserve.request import fail_all
 from torchrl_batchserve.serve import Serving
 from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder
 from torchrl_batchserve.transport.hub import ProcessHub
@@ -48,7 +47,6 @@ from torchrl_batchserve.weights import ShadowWeights
 __all__ = ["BatchedPolicyServer"]
 
 _log = logging.getLogger(__name__)
-_CLOSED = "the server was closed before this request ran"
 
 
 def _as_policy(policy: Any, in_keys: Any, out_keys: Any) -> TensorDictModuleBase:
@@ -338,25 +336,20 @@ class BatchedPolicyServer(TensorDictModule):
             pending = self._queue.close(cancel_pending)
             hub, self._hubs[0] = self._hubs[0], None
             receivers, self._receivers = self._receivers, []
-        self._fail_closed(pending)
+        self._serving.fail_closed(pending)
         for receiver in receivers:
-            receiver.close(left() or 2.0 if wait else 0.0)
+            receiver.close((2.0 if deadline is None else left() or 0.0) if wait else 0.0)
         me = threading.current_thread()
         for thread in self._threads:
             if wait and thread is not me:
                 thread.join(left())
         stopped = not any(t.is_alive() for t in self._threads)
         if wait and not stopped:
-            self._fail_closed(self._queue.close(cancel_pending=True))  # gave up waiting: nothing stays queued
+            self._serving.fail_closed(self._queue.close(cancel_pending=True))  # gave up waiting: nothing stays queued
         if hub is not None:
             hub.close(left() if wait else 0.0)
         self._serving.close()
         return stopped
-
-    def _fail_closed(self, requests: list) -> None:
-        cache = self.cache
-        followers = cache.release(requests) if cache is not None and requests else []
-        fail_all(requests + followers, ServerClosedError(_CLOSED))
 
     @property
     def closed(self) -> bool:
@@ -427,7 +420,7 @@ class BatchedPolicyServer(TensorDictModule):
         a thread into a shadow copy and served from the next batch on; the
         default process group is never touched. Stops with the server.
         """
-        receiver = WeightReceiver(self._weights, lambda version: None, address, port, rank, world_size, timeout=timeout)
+        receiver = WeightReceiver(self._weights, address, port, rank, world_size, timeout=timeout)
         with self._lifecycle:
             self._receivers.append(receiver)
         return receiver
@@ -454,7 +447,7 @@ class BatchedPolicyServer(TensorDictModule):
 
 def _abandon(queue: RequestQueue, serving: Serving, hubs: list[ProcessHub | None]) -> None:
     """A server collected without ``close()``: fail what is queued, end its loops and its hub."""
-    fail_all(queue.close(cancel_pending=True), ServerClosedError(_CLOSED))
+    serving.fail_closed(queue.close(cancel_pending=True))
     serving.close()
     if hubs[0] is not None:
         hubs[0].close(0.0)
