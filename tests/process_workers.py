@@ -144,3 +144,28 @@ def join_weight_group_then_hang(port: int, world: int, joined: Any) -> None:
     joined.set()
     while True:
         time.sleep(3600)
+
+
+def host_forking_workers(method: str, results: Any, ready: Any) -> None:
+    """A server process: a worker waits on it, then another process is started and stays alive.
+
+    Reports the second process's pid; the test kills this one, and the
+    waiting worker must get ``ServerBrokenError`` though the other lives on.
+    """
+    import multiprocessing as mp
+
+    entered = threading.Event()
+    policy = TensorDictModule(Blocking(entered), in_keys=["observation"], out_keys=["logits"])
+    server = BatchedPolicyServer(policy, timeout=0.001)
+    remote = server.remote_policy()
+    ctx = mp.get_context(method)
+    started = ctx.Event()  # kept: a spawned child unpickles it after start() returns
+    worker = ctx.Process(target=call_until_told, args=(remote, started, results))
+    worker.start()
+    assert entered.wait(120)  # the worker's request is in the forward: the hub holds its socket
+    bystander = ctx.Process(target=time.sleep, args=(3600,))
+    bystander.start()  # started later: it must not hold the hub's end of the worker's socket
+    results.put(("bystander", bystander.pid))
+    ready.set()
+    while True:
+        time.sleep(3600)

@@ -164,3 +164,15 @@ def test_weights_benchmark_quick_smoke(tmp_path):
         assert row["ours"]["pushes"] > 0 and row["torchrl"]["pushes"] > 0
         assert row["ours"]["lag_ms"] > 0 and row["torchrl"]["pushing"] > 0
     assert (tmp_path / "benchmarks_weights_quick.md").exists()
+
+
+def test_a_short_soak_loses_duplicates_and_corrupts_nothing_and_leaves_nothing_behind():
+    # benchmarks/soak.py with small settings: mixed threads, futures, asyncio tasks and a
+    # worker process while weights are pushed; every result checked at its stamped version.
+    result = _load("benchmarks", "soak").run(4000, threads=2, futures=1, tasks=4, processes=1)
+    assert result["sent"] == result["done"] > 0
+    assert (result["lost"], result["duplicated"], result["wrong"], result["errors"]) == (0, 0, 0, 0)
+    assert result["pushes"] > 0
+    before, after = result["before"], result["after"]
+    assert after["fds"] <= before["fds"] and after["threads"] <= before["threads"]  # others may end meanwhile
+    assert after["dev_shm"] <= before["dev_shm"]

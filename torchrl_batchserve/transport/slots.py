@@ -89,9 +89,9 @@ class Slot:
         if rows > self.capacity or len(values) != len(self.fields):
             return False
         for f, v in zip(self.fields, values):
-            if not isinstance(v, torch.Tensor) or v.dtype is not f.dtype or v.shape != (*batch_shape, *f.feature):
-                return False
-            if v.layout is not torch.strided or v.is_nested:
+            if not isinstance(v, torch.Tensor) or v.layout is not torch.strided or v.is_nested:
+                return False  # (a nested tensor has no shape to compare)
+            if v.dtype is not f.dtype or v.shape != (*batch_shape, *f.feature):
                 return False
         return True
 
