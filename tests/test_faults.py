@@ -251,3 +251,40 @@ def test_a_server_dropped_without_close_ends_its_threads_and_removes_its_socket(
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads) and not os.path.exists(folder)
+
+
+class DropsAKey(TensorDictModuleBase):
+    def __init__(self):
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["logits", "value"]
+
+    def forward(self, td):
+        td.set("logits", torch.zeros(td.batch_size[0], 3))
+        return td  # no "value"
+
+
+def test_a_policy_dropping_an_out_key_fails_every_path_with_policy_error():
+    with BatchedPolicyServer(DropsAKey()) as server:
+        for remote in (server.remote_policy(), client_of(server)):
+            with pytest.raises(PolicyError, match="out_key 'value': missing"):
+                remote(obs())
+
+
+class RaisesBaseException(TensorDictModuleBase):
+    def __init__(self):
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["logits"]
+
+    def forward(self, td):
+        raise SystemExit("the policy called sys.exit")
+
+
+def test_a_policy_raising_a_base_exception_breaks_the_server_and_every_caller_learns_it():
+    server = BatchedPolicyServer(RaisesBaseException())
+    remote = server.remote_policy()
+    with pytest.raises(ServerBrokenError) as info:
+        remote(obs())
+    assert isinstance(info.value.__cause__, SystemExit)
+    with pytest.raises(ServerBrokenError):
+        remote.submit(obs())
+    assert server.close(timeout=10) is True

@@ -192,9 +192,7 @@ class Serving:
                 if time.perf_counter() - started < len(requests) * self.relay.seconds_per_wake():
                     self.relay.wait_idle(self.queue.timeout)
             except BaseException as err:  # a bug or a BaseException from the policy: fail all, serve no more
-                self._break(err, requests)
-                if not isinstance(err, Exception):
-                    raise
+                self._break(err, requests)  # logged there; nothing above this thread would catch it
                 return
             finally:
                 del taken, requests  # do not keep the last batch (and what its inputs view) alive while idle
