@@ -79,7 +79,8 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
     barrier, results = ctx.Barrier(procs + 1), ctx.Queue()  # this process passes it too: its CPU clock starts
     kw = {"max_batch_size": args.max_batch_size, "timeout": args.timeout}
     if system == "ours":
-        server: Any = BatchedPolicyServer(policy, **kw)
+        devices = ["cpu"] * args.replicas if args.replicas > 1 else None  # one replica: where the policy is
+        server: Any = BatchedPolicyServer(policy, device=devices, **kw)
         clients = [server.remote_policy()] * procs
     else:
         sample = make(torch.Generator().manual_seed(0))
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = common_parser(__doc__, repeats=5)
     parser.add_argument("--only", default=None, help="comma list of payloads (vector,pixels)")
     parser.add_argument("--procs", default="2,4,8")
+    parser.add_argument("--replicas", type=int, default=1, help="ours: this many CPU replicas (device=['cpu'] * N)")
     parser.add_argument(
         "--torchrl-transports", action="store_true", help="measure TorchRL's cross-process transports only"
     )

@@ -89,3 +89,22 @@ def test_worker_process_clients_of_a_server_whose_outputs_stay_on_cuda():
         torch.testing.assert_close(
             td["logits"], reference(make_mlp(), torch.full((8,), float(i))), atol=1e-5, rtol=1e-4
         )
+
+
+def test_replicas_on_cuda_devices_serve_exact_results_and_every_push():
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] * (2 if torch.cuda.device_count() == 1 else 1)
+    net, cpu_net = make_mlp(), make_mlp()
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, device=devices, max_batch_size=4, timeout=0.001) as server:
+        remote = server.remote_policy()
+        for version in range(1, 4):
+            with torch.no_grad():
+                for p_cpu, p in zip(cpu_net.parameters(), net.parameters()):
+                    p.add_(0.1)
+                    p_cpu.copy_(p)
+            assert server.update_weights() == version
+            futures = [remote.submit(TensorDict(observation=torch.randn(8))) for _ in range(32)]
+            for td in (f.result(30) for f in futures):
+                assert int(td["policy_version"]) == version and td["logits"].device.type == "cpu"
+                torch.testing.assert_close(td["logits"], reference(cpu_net, td["observation"]), atol=1e-5, rtol=1e-4)
+        assert len(server.statistics().replicas) == len(devices)

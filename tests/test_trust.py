@@ -266,3 +266,35 @@ def test_two_cpu_replicas_both_serve_exact_results_with_versions_that_never_go_b
         replicas = server.statistics().replicas
     assert len(replicas) == 2 and all(r.batches > 0 for r in replicas)
     assert all(s == sorted(s) for s in seen)
+
+
+class ExplodesOnMarker(TensorDictModuleBase):
+    """Raises for a batch holding an observation whose first entry is 1000."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.in_keys, self.out_keys, self.net = ["observation"], ["logits"], net
+
+    def forward(self, td):
+        if (td["observation"][..., 0] == 1000).any():
+            raise ValueError("marked batch")
+        td.set("logits", self.net(td["observation"]))
+        return td
+
+
+def test_a_replica_whose_forward_raises_fails_only_its_batch():
+    net = make_mlp()
+    with BatchedPolicyServer(ExplodesOnMarker(net), device=["cpu", "cpu"], max_batch_size=1) as server:
+        remote = server.remote_policy()
+        bomb = obs()
+        bomb["observation"][0] = 1000
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(remote, obs()) for _ in range(40)]
+            with pytest.raises(ValueError, match="marked batch"):
+                remote(bomb)
+            outs = [f.result(30) for f in futures]
+        stats = server.statistics()
+    assert stats.failed_batches == 1 and all(r.batches > 0 for r in stats.replicas)
+    with torch.no_grad():
+        for td in outs:
+            torch.testing.assert_close(td["logits"], net(td["observation"]))
