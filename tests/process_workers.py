@@ -169,3 +169,39 @@ def host_forking_workers(method: str, results: Any, ready: Any) -> None:
     ready.set()
     while True:
         time.sleep(3600)
+
+
+def many_callers(remote: Any, mode: str, callers: int, per_caller: int, results: Any) -> None:
+    """``callers`` threads or asyncio tasks of this one process share ``remote``; reports (obs, logits) pairs."""
+    import asyncio
+
+    torch.set_num_threads(1)
+    out: list[tuple[list, list]] = []
+
+    def record(td: TensorDict) -> None:
+        out.append((td["observation"].tolist(), td["logits"].tolist()))
+
+    if mode == "threads":
+
+        def actor(seed: int) -> None:
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(per_caller):
+                record(remote(TensorDict(observation=torch.randn(8, generator=g))))
+
+        threads = [threading.Thread(target=actor, args=(i,)) for i in range(callers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+
+        async def task(seed: int) -> None:
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(per_caller):
+                record(await remote.acall(TensorDict(observation=torch.randn(8, generator=g))))
+
+        async def main() -> None:
+            await asyncio.gather(*(task(i) for i in range(callers)))
+
+        asyncio.run(main())
+    results.put(out)

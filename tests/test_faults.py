@@ -40,7 +40,7 @@ def test_an_interrupted_worker_call_never_shifts_the_replies_of_later_calls():
         endpoint = client._endpoint
         interrupted = threading.Event()
 
-        def interrupt_after_send(conn, td, rows, shape):  # the call is interrupted while it waits
+        def interrupt_after_send(*args):  # the call is interrupted while it waits
             interrupted.set()
             raise KeyboardInterrupt
 

@@ -543,3 +543,23 @@ def test_a_worker_of_a_server_process_that_dies_gets_broken_error_while_a_later_
         pw.kill(bystander)
     host.join(10)
     assert kind == "ServerBrokenError", message
+
+
+@pytest.mark.parametrize("mode, callers", [("threads", 8), ("tasks", 64)])
+def test_threads_and_tasks_of_one_worker_share_its_remote_policy_and_batch_together(mode, callers):
+    net = pw.make_net()
+    gated = GatedPolicy(net, block_first=1)
+    with BatchedPolicyServer(gated, max_batch_size=64, timeout=0.01) as server:
+        results = SPAWN.Queue()
+        worker = SPAWN.Process(target=pw.many_callers, args=(server.remote_policy(), mode, callers, 5, results))
+        worker.start()
+        assert gated.entered.wait(120)  # one request is in the forward; the others queue behind it
+        wait_for(lambda: len(server._queue._items) >= callers // 2, "the worker's other callers to queue")
+        gated.gate.set()
+        out = report(results, [worker])
+        worker.join(30)
+    assert len(out) == callers * 5
+    assert max(gated.batches) >= callers // 2  # requests of several callers of one process in one batch
+    with torch.no_grad():
+        for obs, logits in out:
+            torch.testing.assert_close(torch.tensor(logits), net(torch.tensor(obs)))

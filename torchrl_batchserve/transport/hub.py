@@ -1,8 +1,8 @@
 """The server side of worker-process actors: a Unix socket and shared-memory slots.
 
 Each unpickled :class:`~torchrl_batchserve.RemotePolicy` in another process
-connects once (its own client: replies can never reach another worker) and
-then has one request at a time in flight. Tensors travel through the
+connects once (its own client: replies can never reach another worker); any
+number of its process's threads and tasks may have requests in flight. Tensors travel through the
 client's two slots (inputs, outputs: :mod:`~torchrl_batchserve.transport.slots`);
 the socket carries a few bytes per request, and its blocking read is how both
 sides wait. The socket is also the liveness signal: a worker that dies closes
@@ -20,16 +20,20 @@ are written by the serve loop that completes the request.
 Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`):
 
 * client -> hub: the 16-byte authkey once, then
-  ``("req", seq, rows, batch_shape, interaction, payload)``; ``payload`` is
-  the pickled inputs, or ``None`` when they are in the client's input slot.
+  ``("req", seq, rows, batch_shape, interaction, payload, into_slot)``;
+  ``payload`` is the pickled inputs, or ``None`` when they are in the
+  client's input slot of capacity ``into_slot`` (0: none; the reply's
+  outputs then go to the output slot too).
 * hub -> client: ``("slot", "in" | "out", fields, capacity, size)`` with the
   slot's descriptor attached (``SCM_RIGHTS``); ``("done", seq, error, values, keys)``
   (``values`` ``None``: in the output slot); ``("closed",)``.
 
-``seq`` numbers a client's requests: a reply whose ``seq`` is not the one the
-client waits for (a call interrupted by a signal) is dropped by the client,
-and the hub writes no slot for it, so a later call never reads an earlier
-call's outputs.
+``seq`` numbers a client's requests, several of which may be in flight (the
+threads and tasks of one worker): each reply goes to the caller of its
+``seq``, and one nobody waits for (a call interrupted by a signal) is
+dropped. At most one request at a time holds the slots, from its request
+until its reply is read, so a later call never reads an earlier call's
+outputs.
 
 In a child forked from the server's process, every descriptor of the hub is
 closed at once (``os.register_at_fork``): a worker forked later must not hold
@@ -83,18 +87,17 @@ def _portable(error: BaseException) -> BaseException:
 
 
 class _Client:
-    """A connected worker: its socket, its two slots and the seq of its latest request."""
+    """A connected worker: its socket and its two slots."""
 
     def __init__(self, sock: socket.socket, ident: int) -> None:
         self.wire = Wire(sock, receives_fds=False)  # workers send no descriptors
         self.ident = ident
         self.caller = ("process", ident)
         self.send_lock = threading.Lock()
-        self.inputs: Slot | None = None
+        self.inputs: dict[int, Slot] = {}  # by capacity: each new one is larger, and requests name theirs
         self.outputs: Slot | None = None
         self.varying = False
         self.alive = True
-        self.latest = 0  # the seq of the request the client waits for
 
     def send(self, message: Any, fd: int | None = None) -> None:
         """Send ``message``, with the descriptor ``fd`` if any (closed here, sent or not)."""
@@ -117,8 +120,8 @@ class _Client:
             seq = request.seq
             if request.error is not None:
                 self._send(("done", seq, _portable(request.error), None, None))
-            elif seq != self.latest:
-                self._send(("done", seq, None, None, None))  # nobody waits for it: leave the slot alone
+            elif not request.into_slot:
+                self._send(("done", seq, None, list(request.values), list(request.keys)))  # pickled
             else:
                 try:
                     self._reply(request)
@@ -144,12 +147,13 @@ class _Client:
 class ProcessRequest(Request):
     """A request from a worker process; its outcome goes back over the client's socket."""
 
-    __slots__ = ("client", "seq")
+    __slots__ = ("client", "into_slot", "seq")
 
-    def __init__(self, *args: Any, client: _Client, seq: int) -> None:
+    def __init__(self, *args: Any, client: _Client, seq: int, into_slot: bool = False) -> None:
         super().__init__(*args)
         self.client = client
         self.seq = seq
+        self.into_slot = into_slot  # its inputs are in the client's slot, and its outputs go there
 
     def claim(self) -> bool:
         return not self.done and self.client.alive
@@ -299,32 +303,33 @@ class ProcessHub:
 
     def _handle(self, client: _Client, message: Any) -> None:
         try:
-            _, seq, rows, batch_shape, interaction, payload = message
+            _, seq, rows, batch_shape, interaction, payload, into_slot = message
         except (TypeError, ValueError):
             _log.error("malformed message from worker client %d: %r", client.ident, message)
             return
-        client.latest = seq
         try:
             mode = None if interaction is None else _MODES[interaction]
             if payload is not None:
                 td = pickle.loads(payload)
                 request = self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq)
                 self._offer_slot(client, request)
+            elif into_slot:  # the capacity of the input slot its inputs are in
+                request = self._from_slot(client, seq, rows, tuple(batch_shape), mode, into_slot)
             else:
-                request = self._from_slot(client, seq, rows, tuple(batch_shape), mode)
+                raise BadRequestError("the request came with neither its inputs nor a slot")
             self._intake.put(request)
         except BaseException as err:  # whatever the message did, it fails this request only
             client.send(("done", seq, _portable(err), None, None))
 
-    def _from_slot(self, client: _Client, seq: int, rows: int, batch_shape: tuple, mode: Any) -> Request:
-        slot = client.inputs
+    def _from_slot(self, client: _Client, seq: int, rows: int, batch_shape: tuple, mode: Any, capacity: int) -> Request:
+        slot = client.inputs.get(capacity)
         if slot is None:
             raise BadRequestError("the client wrote to a slot it was never given")
         if rows > slot.capacity:
             raise BadRequestError(f"the request has {rows} rows; the client's slot holds {slot.capacity}")
         # Views of the slot: the client writes it again only once this request is answered.
         td = TensorDict(dict(zip(slot.keys, slot.views(rows, batch_shape))), batch_size=batch_shape)
-        return self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq)
+        return self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq, into_slot=True)
 
     def _offer_slot(self, client: _Client, request: Request) -> None:
         """A request came with its tensors: give the client a slot for the next ones."""
@@ -333,12 +338,15 @@ class ProcessHub:
             return  # non-tensor or device inputs always travel pickled
         dims = 1 if request.batch_shape else 0
         specs = [(k, v.dtype, tuple(v.shape[dims:])) for k, v in zip(self._keys, inputs)]
-        old = client.inputs
+        old = client.inputs[max(client.inputs)] if client.inputs else None
         if old is not None and old.specs() != specs:
             client.varying = True  # variable-length inputs: one slot per length would cost more than it saves
             return
-        slot, fd = Slot.create(specs, max(request.rows, old.capacity if old is not None else 1))
-        client.inputs = slot
+        if old is not None and request.rows <= old.capacity:
+            return  # it came pickled because its slot was taken by another of the client's requests
+        # A larger slot; the older ones stay, since requests in flight may name them.
+        slot, fd = Slot.create(specs, max(request.rows, 2 * old.capacity if old is not None else 1))
+        client.inputs[slot.capacity] = slot
         client.send(("slot", "in", *slot.describe()), fd=fd)
 
     def _drop(self, client: _Client) -> None:
@@ -349,7 +357,7 @@ class ProcessHub:
                 client.wire.close()
             except OSError:
                 pass
-        client.inputs = client.outputs = None  # the memory goes with the last view
+        client.inputs, client.outputs = {}, None  # the memory goes with the last view
 
     # -- lifecycle ------------------------------------------------------------------------
 
