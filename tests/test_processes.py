@@ -538,7 +538,7 @@ def test_a_worker_of_a_server_process_that_dies_gets_broken_error_while_a_later_
     _, bystander = report(results, [host])
     try:
         pw.kill(host.pid)
-        kind, message = report(results, [], timeout=30)
+        kind, message = report(results, [], timeout=90)
     finally:
         pw.kill(bystander)
     host.join(10)

@@ -72,25 +72,26 @@ class Intake:
             interaction = interaction_type()
         return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, v.layout, **kwargs)
 
-    def put(self, request: Request) -> None:
+    def put(self, request: Request, may_serve: bool = False) -> Any:
         """Answer ``request`` from the cache, join it to an identical one in flight, or queue it.
 
         Raises at once (and the request is not accepted) when the queue
-        refuses it: closed, broken, full, or too large to ever fit.
+        refuses it: closed, broken, full, or too large to ever fit. With
+        ``may_serve``: the batch the caller is to run itself, if the queue
+        hands it one (:meth:`RequestQueue.put <torchrl_batchserve.queue.RequestQueue.put>`).
         """
         cache = self._cache
         if cache is None:
-            self.queue.put(request)
-            return
+            return self.queue.put(request, may_serve)
         outcome, values = cache.admit(request, self._weights.latest_version)
         if outcome == HIT:
             request.finish(self._delivered, values)  # type: ignore[arg-type]
-            return
+            return None
         if outcome == JOINED:
             self.queue.waiting(request.caller)
-            return
+            return None
         try:
-            self.queue.put(request)
+            return self.queue.put(request, may_serve)
         except BaseException as err:
             fail_all(cache.release([request]), err)  # the rows that joined it fail with it
             raise

@@ -22,11 +22,15 @@ request is split across forwards only when it alone exceeds ``max_batch_size``
 (the server does that; a request whose cost alone exceeds ``max_batch_cost`` is
 refused before it is queued).
 
-Who runs a batch: only the serve loops, one per replica, each taking
-batches for its replica with :meth:`RequestQueue.take_batch`; a replica runs
-one batch at a time, and no caller ever runs a batch in its own thread. A
-serve loop is woken when a rule may have become true (a request enters an
-empty queue, a batch fills, every caller waits), not per request.
+Who runs a batch, decided here and nowhere else: a replica runs one batch
+at a time, taken by its serve loop (:meth:`RequestQueue.take_batch`), with
+one exception: a blocking caller that runs by itself (its request alone
+makes the batch, and it was the only caller of the last batch) is handed
+its own batch by :meth:`RequestQueue.put` (``may_serve``) and runs it in its
+thread, so a lone actor's request wakes no thread at all. With other
+callers around, the serve loop runs every batch. A serve loop is woken when
+a rule may have become true (a request enters an empty queue, a batch fills,
+every caller waits), not per request.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class RequestQueue:
         self._queued_by_caller: dict[Any, int] = {}
         self._closed = False
         self._free = set(range(runners))  # the replicas not running a batch now
+        self._solo: Any = None  # the only caller of the last batch, if it had only one
         self._broken: BaseException | None = None
 
     @property
@@ -107,8 +112,13 @@ class RequestQueue:
     def timeout(self) -> float:
         return self._timeout
 
-    def put(self, request: Request) -> None:
-        """Enqueue ``request``, or raise at once if it can never be served (closed, broken, too big, full)."""
+    def put(self, request: Request, may_serve: bool = False) -> tuple[list[Request], FireReason, int] | None:
+        """Enqueue ``request``, or raise at once if it can never be served (closed, broken, too big, full).
+
+        With ``may_serve`` (a blocking caller), returns ``(batch, reason,
+        replica)`` when the caller runs by itself (see the module docstring)
+        and ``replica`` is free: the caller runs the batch on it.
+        """
         with self._cond:
             if self._closed:
                 raise self._closed_error()
@@ -128,11 +138,19 @@ class RequestQueue:
             caller = request.caller
             self._queued_by_caller[caller] = self._queued_by_caller.get(caller, 0) + 1
             self._idle.discard(caller)
+            if not self._free:
+                return None  # done_serving() looks at the queue next
+            fires = self._full() or not self._idle
+            if fires and may_serve and caller == self._solo and len(self._items) == 1:
+                index = min(self._free)
+                self._free.discard(index)
+                return self._pop(), FireReason.FULL if self._full() else FireReason.ALL_WAITING, index
             # Wake the serve loops only when a rule may have become true for a
             # free replica: the queue was empty (start the timeout clock), the
             # batch is full, or every caller now waits.
-            if self._free and (was_empty or self._full() or not self._idle):
+            if was_empty or fires:
                 self._cond.notify_all()
+            return None
 
     def waiting(self, caller: Any) -> None:
         """``caller`` now waits on a request outside the queue (a coalesced row)."""
@@ -182,7 +200,9 @@ class RequestQueue:
         """``replica`` is free again; ``callers`` were just served (call before waking them)."""
         with self._cond:
             self._free.add(replica)
-            self._idle.update(set(callers).difference(self._queued_by_caller))  # served, nothing queued
+            served = set(callers)
+            self._solo = next(iter(served)) if len(served) == 1 else None
+            self._idle.update(served.difference(self._queued_by_caller))  # served, nothing queued
             if self._items or self._closed:
                 self._cond.notify_all()
 

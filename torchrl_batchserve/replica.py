@@ -112,8 +112,7 @@ class Replica:
         with self.on_stream():
             if self._stream is not None:
                 self._stream.wait_stream(torch.cuda.default_stream(self._stream.device))
-            if self.device is not None and batch.device != self.device:
-                batch = batch.to(self.device, non_blocking=True)
+            batch = _on(batch, self.device)
             with set_interaction_type(interaction):
                 if rows <= max_rows or not batch.batch_dims:
                     output = self.module(batch)
@@ -126,8 +125,20 @@ class Replica:
     def fetch(self, output: TensorDictBase, device: torch.device | None) -> TensorDictBase:
         """``output`` on ``device`` (``None``: where it is), complete and safe to read on return."""
         with self.on_stream():
-            if device is not None and output.device != device:
-                output = output.to(device, non_blocking=True)
+            output = _on(output, device)
             if self._stream is not None:
                 self._stream.synchronize()  # this stream only: its forward and copies are done
         return output
+
+
+def _on(td: TensorDictBase, device: torch.device | None) -> TensorDictBase:
+    """``td`` with every tensor on ``device`` (``None``: as it is); moved only if one is elsewhere.
+
+    A batch TensorDict has no device of its own; ``td.to`` costs far more
+    than looking at its few leaves, and most batches are already there.
+    """
+    if device is None or td.device == device:
+        return td
+    if td.device is None and all(v.device == device for v in td.values(True, True) if isinstance(v, torch.Tensor)):
+        return td
+    return td.to(device, non_blocking=True)

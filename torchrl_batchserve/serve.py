@@ -33,6 +33,7 @@ from tensordict.utils import NestedKey
 from torchrl_batchserve.cache import EvaluationCache
 from torchrl_batchserve.errors import (
     BadRequestError,
+    BatchServeError,
     ForwardTimeoutError,
     PolicyError,
     ServerBrokenError,
@@ -168,6 +169,7 @@ class Serving:
         self.output_device = output_device
         self.max_batch_size = max_batch_size
         self.relay = Relay()  # one wake-up chain for all blocking callers of this server
+        self.replicas: list[Replica] = []  # set by the server
         self._watchdog = _Watchdog(forward_timeout, self._timed_out) if forward_timeout is not None else None
 
     # -- the loop ----------------------------------------------------------------------
@@ -208,6 +210,25 @@ class Serving:
     def _timed_out(self, group: list[Request]) -> None:
         error = ForwardTimeoutError("a forward ran longer than forward_timeout; the server is broken")
         self._break(error, group, error)
+
+    def serve_inline(self, taken: tuple[list[Request], FireReason, int]) -> None:
+        """Run, in the calling thread, the batch the queue handed a lone blocking caller.
+
+        The caller's own request is in it, so the caller learns every outcome
+        from that request. An interruption (``KeyboardInterrupt``) fails that
+        batch only and reaches the caller; the server serves on.
+        """
+        requests, reason, index = taken
+        torch.get_num_threads()  # see loop(): this thread's intra-op team
+        try:
+            with torch.no_grad():
+                self.serve(self.replicas[index], requests, reason)
+        except Exception as err:  # a bug outside any one batch
+            self._break(err, requests)
+        except BaseException as err:
+            interrupted = BatchServeError(f"the batch was interrupted in the thread that ran it ({err!r})")
+            fail_all(self._with_followers(list(requests)), interrupted)
+            raise
 
     def fail_closed(self, requests: list[Request]) -> None:
         """Fail ``requests`` (taken from the queue by a close), and the rows coalesced on them."""

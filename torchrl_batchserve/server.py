@@ -268,7 +268,8 @@ class BatchedPolicyServer(TensorDictModule):
             forward_timeout=forward_timeout,
         )
         self._intake = Intake(layout, self._queue, self._stats, self._weights, cache, self._serving.delivered)
-        self._endpoint = LocalEndpoint(self._intake, self._alive, self._start_hub)
+        self._serving.replicas = self._replicas
+        self._endpoint = LocalEndpoint(self._intake, self._alive, self._start_hub, self._serving.serve_inline)
         self._lifecycle = threading.Lock()
         self._hubs: list[ProcessHub | None] = [None]  # one entry, shared with the finalizer
         self._receivers: list[WeightReceiver] = []

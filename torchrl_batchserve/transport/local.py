@@ -27,15 +27,22 @@ class LocalEndpoint:
             blocking callers).
         connect: starts the server's process hub (once) and returns
             ``(address, authkey, keys)`` for clients in other processes.
+        serve_inline: runs the batch the queue hands a lone blocking caller
+            (:meth:`~torchrl_batchserve.serve.Serving.serve_inline`).
 
     In a process forked from the server's, the endpoint becomes a client of
     the hub (started before the fork by the server) instead.
     """
 
     def __init__(
-        self, intake: Intake, is_alive: Callable[[], bool], connect: Callable[[], tuple[str, bytes, list]]
+        self,
+        intake: Intake,
+        is_alive: Callable[[], bool],
+        connect: Callable[[], tuple[str, bytes, list]],
+        serve_inline: Callable[[Any], None],
     ) -> None:
         self._intake = intake
+        self._serve_inline = serve_inline
         self._is_alive = is_alive
         self._connect = connect
         self._pid = os.getpid()
@@ -66,7 +73,9 @@ class LocalEndpoint:
         if not self._here():
             return self._other_process().call(td)
         request: BlockingRequest = self._intake.request(BlockingRequest, td, threading.get_ident())
-        self._intake.put(request)
+        taken = self._intake.put(request, may_serve=True)
+        if taken is not None:  # a lone caller: it runs its own batch (see queue.py)
+            self._serve_inline(taken)
         return request.wait(self._is_alive)
 
     def submit(self, td: TensorDictBase) -> Future[TensorDictBase]:
