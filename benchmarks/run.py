@@ -393,10 +393,10 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, plot
         "",
         f"One actor (vector): the policy called on a one-row TensorDict takes {overhead['bare_forward_us']:.0f} us "
         f"(p50); a request's p50 latency adds to that: ours {overhead['ours']:+.0f} us, "
-        f"TorchRL {overhead['torchrl']:+.0f} us. Ours can come out near zero or below: the server calls the "
-        "module's network on tensors (`direct.py`) and skips the TensorDict work of that bare call.",
+        f"TorchRL {overhead['torchrl']:+.0f} us. Both servers call the TensorDictModule on the batch, as the bare "
+        "call does; a lone caller runs its own batch in its thread (`docs/design.md`, \"Who runs a batch\").",
         "",
-        "## The targets of issue #3",
+        "## The targets of the benchmark (issues #3 and #20)",
         "",
         "| target | measured | met |",
         "|---|---|---|",
@@ -407,7 +407,7 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, plot
         "",
         "Why actor threads gain less than asyncio tasks: the tasks of one event loop are woken once per batch, "
         "while each blocking thread is woken on its own, one after another under the GIL (a context switch and the "
-        'caller\'s own Python, ~13 us a step here); see `docs/design.md`, "What still limits many threads". Thread '
+        "caller's own Python, ~13 us a step here), each waking the next (the relay, `docs/performance.md`). Thread "
         "figures move by +-20% between runs of this machine; the ratios, taken within a repeat, move less. The floor "
         "is far above both servers for the vector payload: the per-request cost is the server, not the forward.",
     ]

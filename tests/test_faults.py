@@ -288,3 +288,31 @@ def test_a_policy_raising_a_base_exception_breaks_the_server_and_every_caller_le
     with pytest.raises(ServerBrokenError):
         remote.submit(obs())
     assert server.close(timeout=10) is True
+
+
+class InterruptedOnMarker(TensorDictModuleBase):
+    """Raises KeyboardInterrupt (a Ctrl-C landing in the forward) for an observation starting with 1000."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.in_keys, self.out_keys, self.net = ["observation"], ["logits"], net
+
+    def forward(self, td):
+        if (td["observation"][..., 0] == 1000).any():
+            raise KeyboardInterrupt
+        td.set("logits", self.net(td["observation"]))
+        return td
+
+
+def test_a_ctrl_c_in_a_batch_a_lone_caller_runs_itself_reaches_it_and_the_server_serves_on():
+    net = make_mlp()
+    with BatchedPolicyServer(InterruptedOnMarker(net)) as server:
+        remote = server.remote_policy()
+        remote(obs())  # the serve thread runs the first batch; this caller runs its next ones itself
+        marked = obs()
+        marked["observation"][0] = 1000
+        with pytest.raises(KeyboardInterrupt):
+            remote(marked)
+        after = remote(obs())
+    with torch.no_grad():
+        torch.testing.assert_close(after["logits"], net(after["observation"]))

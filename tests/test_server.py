@@ -590,7 +590,7 @@ def test_every_serving_thread_runs_the_policy_with_torchs_intra_op_thread_count(
             remote = server.remote_policy()
 
             def actor():
-                for _ in range(3):
+                for _ in range(3):  # the serve thread runs the first batch, this lone caller the next ones
                     remote(TensorDict(x=torch.zeros(2)))
 
             thread = threading.Thread(target=actor, name="fresh-actor")
@@ -598,5 +598,5 @@ def test_every_serving_thread_runs_the_policy_with_torchs_intra_op_thread_count(
             thread.join()
     finally:
         torch.set_num_threads(before)
-    assert {name for name, _ in seen} == {"batchserve-replica-0"}
+    assert {name for name, _ in seen} == {"fresh-actor", "batchserve-replica-0"}
     assert [n for _, n in seen] == [1, 1, 1]

@@ -353,12 +353,13 @@ def resolve(
     """
     by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
     chain: list[BlockingRequest] = []
+    me = threading.get_ident()  # a lone caller running its own batch: it needs no waking
     rows = zip(*columns) if columns else [()] * len(requests)
     for request, values in zip(requests, rows):
         if request.loop is not None:
             if request._store(keys, values, None):
                 by_loop.setdefault(request.loop, []).append(request)
-        elif type(request) is BlockingRequest and relay is not None:
+        elif type(request) is BlockingRequest and relay is not None and request.caller != me:
             if request._store(keys, values, None) and not request.abandoned:
                 chain.append(request)
         else:
