@@ -1,24 +1,28 @@
-"""AlphaZero-style self-play: many MCTS searchers share one BatchedPolicyServer.
+"""AlphaZero-style self-play: MCTS searchers share one BatchedPolicyServer.
 
-Each searcher plays whole games with PUCT search over a TorchRL env whose
-state lives in the TensorDict (Connect Four, written below with the
-conventions of TorchRL's ``TicTacToeEnv``, or ``TicTacToeEnv`` itself), and
-asks one ``RemotePolicy`` to evaluate its leaves; the server batches the
-leaves of all searchers into one forward and answers repeated positions from
-its ``EvaluationCache``. A policy/value network learns from the games in the
-same script and its weights are pushed to the server with ``update_weights``
-after every round; games record the versions that evaluated them. At
-checkpoints the net-guided search plays a random player and plain MCTS
-(uniform priors, random rollouts) at the same number of simulations; the
-win rates are printed, saved as JSON and plotted.
+Games are searched by ``torchrl_batchserve.mcts.TreeSearch`` (PUCT scored by
+TorchRL's ``PUCTScore``) over a TorchRL env whose state lives in the
+TensorDict (Connect Four, written below with the conventions of TorchRL's
+``TicTacToeEnv``, or ``TicTacToeEnv`` itself). ``games_at_once`` games are
+played at a time, each searched by ``searchers_per_tree`` walks of its one
+tree at once (with ``virtual_loss`` spreading them out); every leaf goes to
+one ``RemotePolicy``, and the server batches the leaves of all games and
+searchers into one forward and answers repeated positions from its
+``EvaluationCache``. A policy/value network learns from the games in the
+same script and its weights are pushed to the server with
+``update_weights`` after every round; games record the versions that
+evaluated them. At checkpoints the net-guided search plays a random player
+and plain MCTS (uniform priors, random rollouts) at the same number of
+simulations; the win rates are printed, saved as JSON and plotted.
 
     python examples/mcts_selfplay.py                       # Connect Four, threads, the server
-    python examples/mcts_selfplay.py no_server=true        # one model copy per searcher instead
+    python examples/mcts_selfplay.py no_server=true        # one model copy per game instead
+    python examples/mcts_selfplay.py searchers_per_tree=16 games_at_once=1   # one game, 16 walks of its tree
     python examples/mcts_selfplay.py mode=asyncio game=tictactoe rounds=4
-    python examples/mcts_selfplay.py mode=processes searchers=8    # worker processes
+    python examples/mcts_selfplay.py mode=processes games_at_once=8   # worker processes
 
-Searchers (threads, asyncio tasks or worker processes) batch *across games*: every searcher has one leaf in flight. See
-``docs/mcts.md`` for batching within a tree (virtual loss) and the numbers.
+``searchers_per_tree=1`` batches across games only (one leaf in flight per
+game). See ``docs/mcts.md`` for which setting learns fastest here, and why.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import math
+import logging
 import multiprocessing as mp
 import pickle
 import random
@@ -47,13 +51,12 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data.tensor_specs import Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase, TicTacToeEnv
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from torchrl_batchserve.config import build_server
+from torchrl_batchserve.mcts import Tree, TreeSearch
 
 STATE_KEYS = ("board", "turn", "mask")
-# An evaluation request: the searcher yields a TensorDict with the board and
-# gets back the policy's output; drivers decide how it is answered.
-Search = Generator[TensorDictBase, TensorDictBase, Any]
 
 
 # -- Connect Four, with TicTacToeEnv's conventions -------------------------------------------
@@ -214,171 +217,11 @@ def make_policy(env: EnvBase, seed: int) -> TensorDictModule:
     return TensorDictModule(net, in_keys=["board"], out_keys=["logits", "value"])
 
 
-# -- PUCT search over env states -----------------------------------------------------------------
+# -- games, searched by torchrl_batchserve.mcts.TreeSearch ------------------------------------------
 
-
-class Node:
-    """A state of the tree: the env's TensorDict, and the statistics of its moves."""
-
-    __slots__ = ("children", "legal", "n", "priors", "td", "terminal", "total", "w")
-
-    def __init__(self, td: TensorDictBase, terminal: float | None = None) -> None:
-        self.td = td
-        self.terminal = terminal  # the value of a finished game for the player to move here
-        self.legal = td["mask"].nonzero().flatten().tolist()
-        self.priors: dict[int, float] | None = None
-        self.children: dict[int, Node] = {}
-        self.n = dict.fromkeys(self.legal, 0)
-        self.w = dict.fromkeys(self.legal, 0.0)
-        self.total = 0
-
-    def child(self, env: EnvBase, action: int) -> Node:
-        node = self.children.get(action)
-        if node is None:
-            turn = int(self.td["turn"])
-            nxt = env.step(self.td.select(*STATE_KEYS).set("action", torch.tensor(action)))["next"]
-            terminal = None
-            if bool(nxt[f"player{turn}", "reward"] > 0):
-                terminal = -1.0  # the player who moved here won: the player to move lost
-            elif bool(nxt["done"]):
-                terminal = 0.0
-            node = self.children[action] = Node(nxt.select(*STATE_KEYS), terminal)
-        return node
-
-    def select(self, c_puct: float) -> int:
-        assert self.priors is not None
-        scale = c_puct * math.sqrt(self.total + 1)
-        best, best_score = self.legal[0], -math.inf
-        for a in self.legal:
-            n = self.n[a]
-            score = (self.w[a] / n if n else 0.0) + scale * self.priors[a] / (1 + n)
-            if score > best_score:
-                best, best_score = a, score
-        return best
-
-
-Evaluator = Callable[[TensorDictBase], Generator[TensorDictBase, TensorDictBase, tuple[dict[int, float], float]]]
-
-
-def net_evaluator(versions: set[int]) -> Evaluator:
-    """Leaves evaluated by the policy (through whatever answers the yielded TensorDicts)."""
-
-    def evaluate(td: TensorDictBase) -> Generator[TensorDictBase, TensorDictBase, tuple[dict[int, float], float]]:
-        out = yield TensorDict(board=td["board"])
-        if "policy_version" in out.keys():
-            versions.add(int(out["policy_version"]))
-        logits = out["logits"].masked_fill(~td["mask"], -math.inf)
-        priors = torch.softmax(logits, -1).tolist()
-        return {a: priors[a] for a in td["mask"].nonzero().flatten().tolist()}, float(out["value"])
-
-    return evaluate
-
-
-def rollout_evaluator(playout: Callable[[TensorDictBase, random.Random], float], rng: random.Random) -> Evaluator:
-    """Plain MCTS: uniform priors, the value of one random playout."""
-
-    def evaluate(td: TensorDictBase) -> Generator[TensorDictBase, TensorDictBase, tuple[dict[int, float], float]]:
-        legal = td["mask"].nonzero().flatten().tolist()
-        return dict.fromkeys(legal, 1.0 / len(legal)), playout(td, rng)
-        yield  # a generator that never needs the server
-
-    return evaluate
-
-
-def search(
-    env: EnvBase, root: Node, simulations: int, evaluate: Evaluator, cfg: DictConfig, rng: random.Random, noise: bool
-) -> Search:
-    """Run ``simulations`` PUCT simulations from ``root``; yields leaves to evaluate."""
-    if root.priors is None:
-        root.priors, _ = yield from evaluate(root.td)
-    priors = root.priors
-    if noise:  # AlphaZero's exploration noise at the root of self-play searches
-        gammas = [rng.gammavariate(cfg.dirichlet_alpha, 1.0) for _ in root.legal]
-        total = sum(gammas)
-        eps = cfg.dirichlet_eps
-        root.priors = {a: (1 - eps) * priors[a] + eps * g / total for a, g in zip(root.legal, gammas)}
-    for _ in range(simulations):
-        node, path = root, []
-        while True:
-            action = node.select(cfg.c_puct)
-            path.append((node, action))
-            child = node.child(env, action)
-            if child.terminal is not None:
-                value = child.terminal
-                break
-            if child.priors is None:
-                child.priors, value = yield from evaluate(child.td)
-                break
-            node = child
-        for node, action in reversed(path):  # values alternate sides on the way up
-            value = -value
-            node.n[action] += 1
-            node.w[action] += value
-            node.total += 1
-    root.priors = priors
-
-
-def self_play(env: EnvBase, cfg: DictConfig, seed: int) -> Search:
-    """One self-play game; returns its training samples and the versions that evaluated it."""
-    rng = random.Random(seed)
-    versions: set[int] = set()
-    evaluate = net_evaluator(versions)
-    root = Node(env.reset().select(*STATE_KEYS))
-    history: list[tuple[torch.Tensor, list[float], int]] = []
-    actions = int(env.action_spec.n)
-    while True:
-        yield from search(env, root, cfg.simulations, evaluate, cfg, rng, noise=True)
-        visits = [root.n.get(a, 0) for a in range(actions)]
-        q = sum(root.w.values()) / root.total  # the search's value of the position, for the player to move
-        history.append((root.td["board"], [v / root.total for v in visits], int(root.td["turn"]), q))
-        if len(history) <= cfg.temperature_moves:
-            action = rng.choices(range(actions), weights=visits)[0]
-        else:
-            action = max(root.legal, key=lambda a: root.n[a])
-        mover = int(root.td["turn"])
-        root = root.child(env, action)
-        if root.terminal is not None:
-            winner = mover if root.terminal < 0 else None
-            break
-    boards = torch.stack([h[0] for h in history])
-    outcome = [0.0 if winner is None else (1.0 if turn == winner else -1.0) for _, _, turn, _ in history]
-    # The value target averages the game's outcome with the search's value
-    # (a common small-scale AlphaZero choice: less noise than the outcome alone).
-    target = [(z + q) / 2 for z, (_, _, _, q) in zip(outcome, history)]
-    samples = TensorDict(
-        board=boards,
-        pi=torch.tensor([h[1] for h in history]),
-        z=torch.tensor(target).unsqueeze(-1),
-        batch_size=[len(history)],
-    )
-    return {"samples": samples, "versions": sorted(versions), "moves": len(history)}
-
-
-def match(env: EnvBase, cfg: DictConfig, opponent: str, net_first: bool, seed: int) -> Search:
-    """One evaluation game of the net-guided search against ``opponent``; returns 1, 0.5 or 0 for the net."""
-    rng = random.Random(seed)
-    playout = getattr(env, "random_playout", None) or (lambda td, r: env_playout(env, td, r))
-    players = {"net": net_evaluator(set()), "mcts": rollout_evaluator(playout, rng)}
-    state = Node(env.reset().select(*STATE_KEYS))
-    net_turn = 0 if net_first else 1
-    while True:
-        turn = int(state.td["turn"])
-        if turn != net_turn and opponent == "random":
-            action = rng.choice(state.legal)
-        else:
-            root = Node(state.td)
-            evaluate = players["net" if turn == net_turn else "mcts"]
-            yield from search(env, root, cfg.eval.simulations, evaluate, cfg, rng, noise=False)
-            action = max(root.legal, key=lambda a: (root.n[a], rng.random()))
-        state = state.child(env, action)
-        state.children.clear()  # keep only the game's path
-        if state.terminal is not None:
-            if state.terminal == 0:
-                return 0.5
-            return 1.0 if turn == net_turn else 0.0
-
-
-# -- drivers: who answers the yielded leaves -------------------------------------------------------
+# A game yields the searches it needs, ``(search, tree, simulations, options)``, and
+# is sent each result; drivers run them with TreeSearch.run (threads) or .arun (asyncio).
+Game = Generator[tuple[TreeSearch, Tree, int, dict], TensorDictBase, Any]
 
 
 class Counter:
@@ -391,37 +234,141 @@ class Counter:
             self.value += n
 
 
-def drive(game: Search, call: Callable[[TensorDictBase], TensorDictBase], evals: Counter) -> Any:
+class Evaluator:
+    """The leaf evaluator of one game's search: counts leaves and records the policy versions that answered."""
+
+    def __init__(self, policy: Any, evals: Counter, in_keys: tuple[str, ...] = ("board",)) -> None:
+        self.policy, self.evals, self.versions = policy, evals, set()
+        self.in_keys = list(in_keys)  # what TreeSearch sends of each leaf
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        self.evals.add(td.numel() or 1)
+        return self._seen(self.policy(td))
+
+    async def acall(self, td: TensorDictBase) -> TensorDictBase:
+        self.evals.add(td.numel() or 1)
+        acall = getattr(self.policy, "acall", None)
+        return self._seen(await acall(td) if acall is not None else self.policy(td))
+
+    def _seen(self, out: TensorDictBase) -> TensorDictBase:
+        if "policy_version" in out.keys():
+            self.versions.update(out["policy_version"].reshape(-1).tolist())
+        return out
+
+
+def rollout_policy(env: EnvBase, rng: random.Random) -> Callable[[TensorDictBase], TensorDictBase]:
+    """Plain MCTS's evaluator: uniform priors, the value of one random playout."""
+    playout = getattr(env, "random_playout", None) or (lambda td, r: env_playout(env, td, r))
+    actions = int(env.action_spec.n)
+
+    def evaluate(td: TensorDictBase) -> TensorDictBase:
+        return td.set("logits", torch.zeros(actions)).set("value", torch.tensor([playout(td, rng)]))
+
+    return evaluate
+
+
+def make_search(env: EnvBase, policy: Any, cfg: DictConfig, seed: int, searchers: int | None = None) -> TreeSearch:
+    return TreeSearch(
+        env,
+        policy,
+        searchers=cfg.searchers_per_tree if searchers is None else searchers,
+        virtual_loss=cfg.virtual_loss,
+        leaves_per_request=cfg.leaves_per_request if searchers is None else 1,
+        c_puct=cfg.c_puct,
+        state_keys=list(STATE_KEYS),
+        dirichlet_alpha=cfg.dirichlet_alpha,
+        dirichlet_eps=cfg.dirichlet_eps,
+        seed=seed,
+    )
+
+
+def self_play(env: EnvBase, policy: Any, cfg: DictConfig, seed: int, evals: Counter) -> Game:
+    """One self-play game; returns its training samples and the versions that evaluated it."""
+    evaluator = Evaluator(policy, evals)
+    search = make_search(env, evaluator, cfg, seed)
+    tree = search.tree(env.reset())
+    history: list[tuple[torch.Tensor, torch.Tensor, int, float]] = []
     try:
-        td = next(game)
+        while tree.root.terminal is None:
+            temperature = 1.0 if len(history) < cfg.temperature_moves else 0.0
+            out = yield search, tree, cfg.simulations, {"noise": True, "temperature": temperature}
+            visits = out["visits"].float()
+            history.append(
+                (tree.root.state["board"], visits / visits.sum(), int(tree.root.state["turn"]), float(out["value"]))
+            )
+            tree = search.advance(tree, int(out["action"]))
+    finally:
+        search.close()
+    mover = history[-1][2]
+    winner = mover if tree.root.terminal < 0 else None  # the last mover won, or the game is drawn
+    outcome = [0.0 if winner is None else (1.0 if turn == winner else -1.0) for _, _, turn, _ in history]
+    # The value target averages the game's outcome with the search's value
+    # (a common small-scale AlphaZero choice: less noise than the outcome alone).
+    samples = TensorDict(
+        board=torch.stack([h[0] for h in history]),
+        pi=torch.stack([h[1] for h in history]),
+        z=torch.tensor([(z + h[3]) / 2 for z, h in zip(outcome, history)]).unsqueeze(-1),
+        batch_size=[len(history)],
+    )
+    return {"samples": samples, "versions": sorted(evaluator.versions), "moves": len(history)}
+
+
+def match(env: EnvBase, policy: Any, cfg: DictConfig, opponent: str, net_first: bool, seed: int) -> Game:
+    """One evaluation game of the net-guided search against ``opponent``; returns 1, 0.5 or 0 for the net.
+
+    Both sides search with one searcher per tree, so the score measures the network, whatever the
+    self-play search settings.
+    """
+    rng = random.Random(seed)
+    net = make_search(env, Evaluator(policy, Counter()), cfg, seed, searchers=1)
+    plain = make_search(env, Evaluator(rollout_policy(env, rng), Counter(), STATE_KEYS), cfg, seed, searchers=1)
+    game = net.tree(env.reset())
+    net_turn = 0 if net_first else 1
+    while game.root.terminal is None:
+        turn = int(game.root.state["turn"])
+        if turn != net_turn and opponent == "random":
+            action = rng.choice([a for a, legal in enumerate(game.root.legal) if legal])
+        else:
+            search = net if turn == net_turn else plain
+            out = yield search, search.tree(game.root.state), cfg.eval.simulations, {"temperature": 0.0}
+            action = int(out["action"])
+        game = net.advance(game, action)
+        game.root.children.clear()  # keep only the game's path
+    if game.root.terminal == 0:
+        return 0.5
+    return 1.0 if turn == net_turn else 0.0
+
+
+def drive(game: Game) -> Any:
+    try:
+        search, tree, simulations, options = next(game)
         while True:
-            evals.add()
-            td = game.send(call(td))
+            search, tree, simulations, options = game.send(search.run(tree, simulations, **options))
     except StopIteration as stop:
         return stop.value
 
 
-async def adrive(game: Search, acall: Callable[[TensorDictBase], Any], evals: Counter) -> Any:
+async def adrive(game: Game) -> Any:
     try:
-        td = next(game)
+        search, tree, simulations, options = next(game)
         while True:
-            evals.add()
-            td = game.send(await acall(td))
+            out = await search.arun(tree, simulations, **options)
+            search, tree, simulations, options = game.send(out)
     except StopIteration as stop:
         return stop.value
 
 
-def play(env: EnvBase, cfg: DictConfig, job: tuple) -> Search:
+def play(env: EnvBase, policy: Any, cfg: DictConfig, job: tuple, evals: Counter) -> Game:
     """The game a job names: ``("self_play", seed)`` or ``("match", opponent, net_first, seed)``."""
     if job[0] == "self_play":
-        return self_play(env, cfg, job[1])
-    return match(env, cfg, *job[1:])
+        return self_play(env, policy, cfg, job[1], evals)
+    return match(env, policy, cfg, *job[1:])
 
 
 def run_games(
-    env: EnvBase, jobs: list[tuple], cfg: DictConfig, calls: list[Any], evals: Counter, done: Callable[[Any], None]
+    env: EnvBase, jobs: list[tuple], cfg: DictConfig, policies: list[Any], evals: Counter, done: Callable[[Any], None]
 ) -> list[Any]:
-    """Play ``jobs`` with ``cfg.searchers`` searchers (threads or asyncio tasks); ``calls[i]`` serves searcher i."""
+    """Play ``jobs``, ``cfg.games_at_once`` at a time (threads or asyncio tasks); game slot i uses ``policies[i]``."""
     results: list[Any] = [None] * len(jobs)
     todo = iter(range(len(jobs)))
     lock = threading.Lock()
@@ -432,23 +379,23 @@ def run_games(
 
     if cfg.mode == "threads":
 
-        def searcher(i: int) -> None:
+        def games(i: int) -> None:
             with torch.no_grad():  # grad mode is per thread
                 while (g := next_game()) is not None:
-                    results[g] = drive(play(env, cfg, jobs[g]), calls[i], evals)
+                    results[g] = drive(play(env, policies[i], cfg, jobs[g], evals))
                     done(results[g])
 
-        with ThreadPoolExecutor(cfg.searchers) as pool:
-            list(pool.map(searcher, range(cfg.searchers)))
+        with ThreadPoolExecutor(cfg.games_at_once) as pool:
+            list(pool.map(games, range(cfg.games_at_once)))
     elif cfg.mode == "asyncio":
 
         async def task(i: int) -> None:
             while (g := next_game()) is not None:
-                results[g] = await adrive(play(env, cfg, jobs[g]), calls[i], evals)
+                results[g] = await adrive(play(env, policies[i], cfg, jobs[g], evals))
                 done(results[g])
 
         async def main() -> None:
-            await asyncio.gather(*(task(i) for i in range(cfg.searchers)))
+            await asyncio.gather(*(task(i) for i in range(cfg.games_at_once)))
 
         asyncio.run(main())
     else:
@@ -457,11 +404,11 @@ def run_games(
 
 
 class ProcessSearchers:
-    """``cfg.searchers`` worker processes (spawned once), each playing the jobs it takes.
+    """``cfg.games_at_once`` worker processes (spawned once), each playing the jobs it takes.
 
     With a server, each worker holds a pickled copy of its ``RemotePolicy``
-    (its own client of the server); without one, each holds a model copy
-    whose weights come with the jobs.
+    (its own client of the server, shared by the searcher threads of its
+    tree); without one, each holds a model copy whose weights come with the jobs.
     """
 
     def __init__(self, cfg: DictConfig, remote: Any) -> None:
@@ -470,7 +417,7 @@ class ProcessSearchers:
         config = OmegaConf.to_container(cfg, resolve=True)
         self._procs = [
             ctx.Process(target=_searcher_process, args=(config, remote, self._jobs, self._results), daemon=True)
-            for _ in range(cfg.searchers)
+            for _ in range(cfg.games_at_once)
         ]
         for proc in self._procs:
             proc.start()
@@ -509,10 +456,9 @@ def _searcher_process(config: dict, remote: Any, jobs: Any, results: Any) -> Non
             if local is not None and weights is not None and weights[0] != loaded:
                 local.module.load_state_dict(pickle.loads(weights[1]))
                 loaded = weights[0]
-            call = remote if remote is not None else _direct(local)  # type: ignore[arg-type]
             counter = Counter()
             try:
-                result = drive(play(env, cfg, job), call, counter)
+                result = drive(play(env, remote if remote is not None else _direct(local), cfg, job, counter))  # type: ignore[arg-type]
             except Exception as err:
                 result = err
             results.put((i, pickle.dumps(result), counter.value))
@@ -561,25 +507,23 @@ def run(cfg: DictConfig) -> dict:
     bar = tqdm(total=total_games, desc=f"{cfg.game} self-play", unit="game", disable=not cfg.progress)
     server = None if cfg.no_server else build_server(cfg.server, served)
     procs = cfg.mode == "processes"
-    copies = [copy.deepcopy(served) for _ in range(cfg.searchers)] if cfg.no_server and not procs else []
+    copies = [copy.deepcopy(served) for _ in range(cfg.games_at_once)] if cfg.no_server and not procs else []
 
     pool = ProcessSearchers(cfg, server.remote_policy() if server is not None else None) if procs else None
 
-    def calls() -> list[Any]:
+    def policies() -> list[Any]:
         if server is not None:
-            remote = server.remote_policy()
-            return [remote.acall if cfg.mode == "asyncio" else remote] * cfg.searchers
-        local = [_direct(c) for c in copies]
-        return [_as_async(c) for c in local] if cfg.mode == "asyncio" else local
+            return [server.remote_policy()] * cfg.games_at_once
+        return [_direct(c) for c in copies]
 
     def games(jobs: list[tuple], counter: Counter, done: Callable[[Any], None]) -> list[Any]:
         if pool is not None:
             weights = None if server is not None else (version, pickle.dumps(learner.module.state_dict()))
             return pool.run(jobs, counter, done, weights)
-        return run_games(env, jobs, cfg, calls(), counter, done)
+        return run_games(env, jobs, cfg, policies(), counter, done)
 
     def status() -> dict:
-        out = {"games": games_played, "evals/s": f"{evals.value / max(1e-9, time.perf_counter() - start):.0f}"}
+        out = {"games": bar.n, "evals/s": f"{evals.value / max(1e-9, self_play_seconds + time.perf_counter() - t):.0f}"}
         if server is not None:
             s = server.statistics()
             out.update(batch=f"{s.mean_batch_size:.1f}", hit=f"{s.cache_hit_rate:.0%}", version=server.policy_version)
@@ -593,10 +537,13 @@ def run(cfg: DictConfig) -> dict:
         scores: dict[str, float] = {}
         for opponent in ("random", "mcts"):
             jobs = [("match", opponent, i % 2 == 0, 10_000 + i) for i in range(cfg.eval.games)]
-            with torch.no_grad():
-                results = games(jobs, Counter(), lambda r: None)
+            desc = f"eval vs {opponent}"
+            with torch.no_grad(), tqdm(total=len(jobs), desc=desc, leave=False, disable=not cfg.progress) as ebar:
+                results = games(jobs, Counter(), lambda r: ebar.update(1))
             scores[opponent] = sum(results) / len(results)
-        row = {"games": games_played, "policy_version": version, "vs_random": scores["random"]}
+        # learning time so far: self-play and training, evaluations left out
+        row = {"games": games_played, "seconds": self_play_seconds + train_seconds, "policy_version": version}
+        row["vs_random"] = scores["random"]
         row["vs_mcts"] = scores["mcts"]
         tqdm.write(
             f"[{games_played} games, version {version}] net search vs random {scores['random']:.0%}, "
@@ -604,8 +551,8 @@ def run(cfg: DictConfig) -> dict:
         )
         return row
 
-    start = time.perf_counter()
-    self_play_seconds, version, versions_seen, loss = 0.0, 0, [], float("nan")
+    t = time.perf_counter()
+    self_play_seconds, train_seconds, version, versions_seen, loss = 0.0, 0.0, 0, [], float("nan")
     try:
         if server is not None:
             server.start()
@@ -622,6 +569,7 @@ def run(cfg: DictConfig) -> dict:
                 buffer.extend(res["samples"])
                 buffer.extend(flip(res["samples"]))
                 versions_seen.append(res["versions"])
+            t_train = time.perf_counter()
             loss = train(learner, optimizer, buffer, cfg.train.steps_per_round)
             weights = TensorDict.from_module(learner)
             if server is not None:
@@ -630,6 +578,7 @@ def run(cfg: DictConfig) -> dict:
                 version += 1
                 for c in copies:
                     weights.to_module(c)
+            train_seconds += time.perf_counter() - t_train
             if cfg.eval.every and ((r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds):
                 row = evaluate_now(version)
                 row["loss"] = loss
@@ -645,7 +594,9 @@ def run(cfg: DictConfig) -> dict:
         "game": cfg.game,
         "mode": cfg.mode,
         "server": server is not None,
-        "searchers": cfg.searchers,
+        "games_at_once": cfg.games_at_once,
+        "searchers_per_tree": cfg.searchers_per_tree,
+        "virtual_loss": cfg.virtual_loss,
         "games": games_played,
         "evaluations": evals.value,
         "self_play_seconds": self_play_seconds,
@@ -665,6 +616,7 @@ def run(cfg: DictConfig) -> dict:
         )
     name = f"{cfg.game}_{'no_server' if cfg.no_server else 'server'}_{cfg.mode}"
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
+    torch.save(learner.module.state_dict(), out_dir / f"{name}.pt")  # the trained net, e.g. for benchmarks/mcts.py
     if history:
         plot(history, out_dir / f"{name}.png", cfg)
     print(summary(result))
@@ -686,19 +638,13 @@ def _direct(policy: TensorDictModule) -> Callable[[TensorDictBase], TensorDictBa
     return call
 
 
-def _as_async(call: Callable[[TensorDictBase], TensorDictBase]) -> Callable[[TensorDictBase], Any]:
-    async def acall(td: TensorDictBase) -> TensorDictBase:
-        return call(td)
-
-    return acall
-
-
 def summary(result: dict) -> str:
     lines = [
         f"{result['games']} games, {result['evaluations']} leaf evaluations in {result['self_play_seconds']:.1f} s "
         f"of self-play: {result['evaluations_per_second']:.0f} evaluations/s "
-        f"({'one server' if result['server'] else 'one model per searcher'}, "
-        f"{result['searchers']} searchers as {result['mode']})"
+        f"({'one server' if result['server'] else 'one model per game'}, {result['games_at_once']} games at once "
+        f"as {result['mode']}, {result['searchers_per_tree']} searchers per tree, "
+        f"virtual loss {result['virtual_loss']})"
     ]
     if result["server"]:
         lines.append(
@@ -734,7 +680,8 @@ def plot(history: list[dict], path: Path, cfg: DictConfig) -> None:
 @hydra.main(config_path="../conf", config_name="mcts_selfplay", version_base=None)
 def main(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(cfg))
-    run(cfg)
+    with logging_redirect_tqdm([logging.getLogger("torchrl")]):  # TorchRL's log lines print above the bar
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -37,21 +37,17 @@ def test_connect_four_rules_through_env_step():
         env.step(full.set("action", torch.tensor(0)))
 
 
-def test_search_takes_an_immediate_win_and_blocks_one():
+def test_plain_mcts_on_connect_four_takes_an_immediate_win_and_blocks_one():
     env = mcts.ConnectFourEnv()
     cfg = config()
     td = env.reset()
     for col in (0, 6, 0, 6, 0):  # player 1 to move; player 0 threatens column 0
         td = env.step(td.set("action", torch.tensor(col)))["next"].select(*mcts.STATE_KEYS)
-    rng = random.Random(0)
-    root = mcts.Node(td)
-    evaluate = mcts.rollout_evaluator(env.random_playout, rng)
-    mcts.drive(mcts.search(env, root, 200, evaluate, cfg, rng, noise=False), lambda x: x, mcts.Counter())
-    assert max(root.legal, key=lambda a: root.n[a]) == 0  # block
+    plain = mcts.Evaluator(mcts.rollout_policy(env, random.Random(0)), mcts.Counter(), mcts.STATE_KEYS)
+    search = mcts.make_search(env, plain, cfg, seed=0, searchers=1)
+    assert int(search.run(search.tree(td), 200, temperature=0)["action"]) == 0  # block
     td = env.step(td.set("action", torch.tensor(5)))["next"].select(*mcts.STATE_KEYS)  # player 1 blunders
-    root = mcts.Node(td)
-    mcts.drive(mcts.search(env, root, 200, evaluate, cfg, rng, noise=False), lambda x: x, mcts.Counter())
-    assert max(root.legal, key=lambda a: root.n[a]) == 0  # win
+    assert int(search.run(search.tree(td), 200, temperature=0)["action"]) == 0  # win
 
 
 def test_playouts_agree_between_the_fast_rules_and_env_step():
@@ -65,18 +61,19 @@ def test_playouts_agree_between_the_fast_rules_and_env_step():
     "overrides",
     [
         ["mode=threads"],
-        ["mode=asyncio", "game=tictactoe"],
-        ["no_server=true"],
-        ["mode=processes", "searchers=2"],
-        ["mode=processes", "searchers=2", "no_server=true", "game=tictactoe"],
+        ["mode=threads", "searchers_per_tree=4", "leaves_per_request=2"],
+        ["mode=asyncio", "game=tictactoe", "searchers_per_tree=3"],
+        ["no_server=true", "searchers_per_tree=2"],
+        ["mode=processes", "games_at_once=2", "searchers_per_tree=2"],
+        ["mode=processes", "games_at_once=2", "no_server=true", "game=tictactoe"],
     ],
-    ids=["threads-connect4", "asyncio-tictactoe", "no-server", "processes", "processes-no-server"],
+    ids=["threads-connect4", "tree-parallel", "asyncio-tictactoe", "no-server", "processes", "processes-no-server"],
 )
 def test_selfplay_smoke(tmp_path, overrides):
     cfg = config(
         "rounds=2",
         "games_per_round=4",
-        "searchers=4",
+        "games_at_once=4",
         "simulations=6",
         "train.steps_per_round=2",
         "train.batch_size=16",

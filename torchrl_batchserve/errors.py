@@ -10,6 +10,7 @@ say what they handle::
     ├── BadRequestError        this request can never be served (key, shape, dtype, ...)
     ├── QueueFullError         max_queue_size rows are already waiting
     ├── PolicyError            the policy broke its contract (missing out_key, wrong rows, ...)
+    ├── SearchError            a tree search stopped: a leaf evaluation failed (mcts.TreeSearch)
     └── WeightSyncError        a weight update was rejected; the old weights stay
 
 A policy that raises during a batch is not wrapped: every caller of that batch
@@ -26,6 +27,7 @@ __all__ = [
     "ForwardTimeoutError",
     "PolicyError",
     "QueueFullError",
+    "SearchError",
     "ServerBrokenError",
     "ServerClosedError",
     "WeightSyncError",
@@ -62,3 +64,7 @@ class PolicyError(BatchServeError):
 
 class WeightSyncError(BatchServeError):
     """A weight update was rejected; the server keeps serving the previous version."""
+
+
+class SearchError(BatchServeError):
+    """A tree search stopped because a leaf evaluation failed; the failure is chained as ``__cause__``."""

@@ -1,0 +1,353 @@
+"""torchrl_batchserve.mcts: tree-parallel PUCT, exact under concurrency, typed errors, no hung walks."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import pytest
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import TensorDictModule
+from torchrl.envs import TicTacToeEnv
+from torchrl.modules.mcts import PUCTScore
+
+from torchrl_batchserve import BatchedPolicyServer, EvaluationCache, SearchError, ServerClosedError
+from torchrl_batchserve.mcts import Node, TreeSearch
+
+C_PUCT = 1.5
+
+
+class Net(torch.nn.Module):
+    """Board -> move logits and a value in [-1, 1]: fixed random weights, a deterministic evaluator."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.logits = torch.nn.Linear(9, 9)
+        self.value = torch.nn.Linear(9, 1)
+
+    def forward(self, board: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = board.flatten(-2).float()
+        return self.logits(flat), torch.tanh(self.value(flat))
+
+
+def make_policy(seed: int = 0) -> TensorDictModule:
+    return TensorDictModule(Net(seed), in_keys=["board"], out_keys=["logits", "value"])
+
+
+class Counting:
+    """A local policy that counts its calls and records each request's batch size."""
+
+    def __init__(self, policy, fail_at: int | None = None) -> None:
+        self.policy, self.fail_at, self.calls, self.shapes = policy, fail_at, 0, []
+        self.in_keys = policy.in_keys
+        self._lock = threading.Lock()
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        with self._lock:
+            self.calls += 1
+            self.shapes.append(tuple(td.batch_size))
+            if self.calls == self.fail_at:
+                raise ValueError("policy failed on purpose")
+        return self.policy(td)
+
+
+def sequential_puct(env, policy, state: TensorDictBase, simulations: int) -> list[int]:
+    """A plain recursive PUCT, one simulation at a time: the root's visit counts."""
+    keys = ["board", "turn", "mask"]
+
+    def evaluate(td):
+        out = policy(td.select("board"))
+        legal = td["mask"]
+        priors = torch.softmax(out["logits"].double().masked_fill(~legal, -math.inf), -1).tolist()
+        return priors, float(out["value"])
+
+    def make(td, terminal=None):
+        return {
+            "td": td.select(*keys),
+            "terminal": terminal,
+            "priors": None,
+            "n": [0.0] * 9,
+            "w": [0.0] * 9,
+            "kids": {},
+        }
+
+    root = make(state)
+    with torch.no_grad():
+        root["priors"], _ = evaluate(root["td"])
+
+    def simulate(node) -> float:  # the value for the player to move at node
+        legal = node["td"]["mask"].tolist()
+        total = sum(node["n"]) + 1.0
+        best, best_score = None, -math.inf
+        for a in range(9):
+            if not legal[a]:
+                continue
+            n, w, p = node["n"][a], node["w"][a], node["priors"][a]
+            score = (w / n if n else 0.0) + C_PUCT * p * math.sqrt(total) / (1 + n)
+            if score > best_score:
+                best, best_score = a, score
+        a = best
+        if a not in node["kids"]:
+            turn = int(node["td"]["turn"])
+            nxt = env.step(node["td"].clone().set("action", torch.tensor(a)))["next"]
+            terminal = -float(nxt[f"player{turn}", "reward"]) if bool(nxt["done"]) else None
+            node["kids"][a] = make(nxt, terminal)
+        child = node["kids"][a]
+        if child["terminal"] is not None:
+            value = child["terminal"]
+        elif child["priors"] is None:
+            child["priors"], value = evaluate(child["td"])
+        else:
+            value = simulate(child)
+        node["n"][a] += 1
+        node["w"][a] += -value
+        return -value
+
+    with torch.no_grad():
+        for _ in range(simulations):
+            simulate(root)
+    return [int(n) for n in root["n"]]
+
+
+def walk(node: Node):
+    yield node
+    for child in node.children.values():
+        yield from walk(child)
+
+
+def assert_consistent(root: Node, simulations: int) -> None:
+    """Every visit accounted for, and no walk left in flight."""
+    assert root.total == simulations
+    for node in walk(root):
+        assert node.pending == [0] * len(node.pending)
+        for action, child in node.children.items():
+            assert node.visits[action] >= child.total  # every walk through a child passed its edge
+
+
+@pytest.mark.parametrize("virtual_loss", [0.0, 1.0])
+@pytest.mark.parametrize("moves", [0, 3])
+def test_one_searcher_equals_a_plain_sequential_puct(virtual_loss, moves):
+    env = TicTacToeEnv()
+    policy = make_policy()
+    state = env.reset()
+    for action in (4, 0, 8)[:moves]:
+        state = env.step(state.set("action", torch.tensor(action)))["next"].select("board", "turn", "mask")
+    search = TreeSearch(env, policy, searchers=1, virtual_loss=virtual_loss, c_puct=C_PUCT)
+    tree = search.tree(state)
+    out = search.run(tree, 200)
+    assert out["visits"].tolist() == sequential_puct(env, policy, state, 200)
+
+
+def test_the_score_is_torchrls_puct_score():
+    c, vl = 1.3, 2.0
+    search = TreeSearch(TicTacToeEnv(), make_policy(), c_puct=c, virtual_loss=vl)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        node = Node(TensorDict(), [True] * 6 + [False] * 3)
+        node.priors = torch.softmax(torch.randn(9, generator=gen, dtype=torch.float64), -1).tolist()
+        node.visits = torch.randint(1, 20, (9,), generator=gen).double().tolist()
+        node.win_count = [v * q for v, q in zip(node.visits, torch.rand(9, generator=gen).mul(2).sub(1).tolist())]
+        node.pending = torch.randint(0, 3, (9,), generator=gen).tolist()
+        pending = torch.tensor(node.pending, dtype=torch.float64) * vl
+        stats = TensorDict(
+            win_count=torch.tensor(node.win_count, dtype=torch.float64) - pending,
+            visits=torch.tensor(node.visits, dtype=torch.float64) + pending,
+            total_visits=torch.tensor(sum(node.visits) + sum(node.pending) + 1.0, dtype=torch.float64),
+            prior_prob=torch.tensor(node.priors, dtype=torch.float64),
+        )
+        scores = PUCTScore(c=c)(stats)["score"][:6]
+        assert search._select(node) == int(scores.argmax())
+
+
+@pytest.mark.parametrize("searchers", [8, 32])
+def test_many_searcher_threads_count_every_simulation_exactly(searchers):
+    env = TicTacToeEnv()
+    policy = make_policy()
+    with BatchedPolicyServer(policy, max_batch_size=searchers, timeout=0.01) as server:
+        with TreeSearch(env, server.remote_policy(), searchers=searchers) as search:
+            for simulations in (1, 7, 64, 150) * 5:
+                tree = search.tree(env.reset())
+                out = search.run(tree, simulations)
+                assert int(out["visits"].sum()) == simulations
+                assert_consistent(tree.root, simulations)
+        sizes = server.statistics().batch_size_histogram
+    assert max(sizes) > 1  # walks of one tree were evaluated together
+
+
+def test_asyncio_searchers_count_every_simulation_exactly():
+    env = TicTacToeEnv()
+
+    async def main(server) -> None:
+        search = TreeSearch(env, server.remote_policy(), searchers=16, leaves_per_request=2)
+        for simulations in (5, 64, 200):
+            tree = search.tree(env.reset())
+            out = await search.arun(tree, simulations)
+            assert int(out["visits"].sum()) == simulations
+            assert_consistent(tree.root, simulations)
+
+    with BatchedPolicyServer(make_policy(), max_batch_size=32, timeout=0.01) as server:
+        asyncio.run(main(server))
+
+
+def test_a_tree_reused_across_moves_keeps_its_statistics():
+    env = TicTacToeEnv()
+    search = TreeSearch(env, make_policy(), searchers=1)
+    tree = search.tree(env.reset())
+    out = search.run(tree, 100)
+    action = int(out["visits"].argmax())
+    kept = tree.root.children[action].total
+    tree = search.advance(tree, action)
+    assert tree.root.total == kept > 0
+    search.run(tree, 50)
+    assert tree.root.total == kept + 50
+
+
+def test_several_leaves_per_request_travel_as_one_request():
+    env = TicTacToeEnv()
+    policy = Counting(make_policy())
+    search = TreeSearch(env, policy, leaves_per_request=4, virtual_loss=1.0)
+    tree = search.tree(env.reset())
+    search.run(tree, 40)
+    assert policy.shapes[0] == ()  # the root
+    assert (4,) in policy.shapes[1:] and all(len(shape) == 1 and shape[0] <= 4 for shape in policy.shapes[1:])
+    assert_consistent(tree.root, 40)
+
+
+def test_result_target_temperature_noise_and_value():
+    env = TicTacToeEnv()
+    search = TreeSearch(env, make_policy(), seed=0, dirichlet_alpha=0.3)
+    tree = search.tree(env.reset())
+    out = search.run(tree, 60, temperature=0)
+    visits = out["visits"]
+    assert set(out.keys()) == {"visits", "policy", "value", "action"}
+    assert out["policy"].tolist() == torch.nn.functional.one_hot(visits.argmax(), 9).float().tolist()
+    assert int(out["action"]) == int(visits.argmax())
+    assert -1 <= float(out["value"]) <= 1
+    warm = search.run(tree, 60, temperature=1.0)
+    assert torch.allclose(warm["policy"], warm["visits"].float() / 120)
+    priors = list(tree.root.priors)
+    fresh = search.tree(env.reset())
+    plain = search.run(fresh, 60).get("visits")
+    noisy_tree = search.tree(env.reset())
+    noisy = search.run(noisy_tree, 60, noise=True).get("visits")
+    assert tree.root.priors == priors and noisy_tree.root.priors == fresh.root.priors
+    assert not torch.equal(plain, noisy)  # the noise changed where the walks went, not the priors kept
+
+
+def test_a_search_takes_an_immediate_win_and_blocks_a_loss():
+    env = TicTacToeEnv()
+
+    def uniform(td):  # plain search: uniform priors, a draw as every leaf's value
+        return td.set("logits", torch.zeros(*td.batch_size, 9)).set("value", torch.zeros(*td.batch_size, 1))
+
+    search = TreeSearch(env, uniform, observation_keys=["board"], searchers=4)
+    state = env.reset()
+    for action in (0, 4, 1):  # X threatens 2; O to move must block
+        state = env.step(state.set("action", torch.tensor(action)))["next"].select("board", "turn", "mask")
+    assert int(search.run(search.tree(state), 400, temperature=0)["action"]) == 2
+    state = env.step(state.set("action", torch.tensor(8)))["next"].select("board", "turn", "mask")  # O blunders
+    assert int(search.run(search.tree(state), 400, temperature=0)["action"]) == 2  # X wins
+
+
+@pytest.mark.parametrize("searchers", [1, 8])
+def test_a_policy_that_raises_mid_search_ends_it_with_a_typed_error(searchers):
+    env = TicTacToeEnv()
+    policy = Counting(make_policy(), fail_at=10)
+    search = TreeSearch(env, policy, searchers=searchers)
+    tree = search.tree(env.reset())
+    with pytest.raises(SearchError) as info:
+        search.run(tree, 500)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert_consistent(tree.root, tree.root.total)  # no virtual loss left behind
+    assert tree.root.total < 500
+    search.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("mcts-searcher")]
+    assert search.run(tree, 5) is not None  # the tree and the search still work: later calls succeed
+
+
+@pytest.mark.parametrize("mode", ["threads", "asyncio"])
+def test_a_server_that_closes_mid_search_ends_it_with_a_typed_error(mode):
+    env = TicTacToeEnv()
+    served = threading.Event()
+
+    class Signalling(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.calls = Net(), 0
+
+        def forward(self, board):
+            self.calls += 1
+            if self.calls == 20:
+                served.set()
+            return self.net(board)
+
+    policy = TensorDictModule(Signalling(), in_keys=["board"], out_keys=["logits", "value"])
+    server = BatchedPolicyServer(policy, max_batch_size=16, timeout=0.001, cache=EvaluationCache(1000)).start()
+    search = TreeSearch(env, server.remote_policy(), searchers=8)
+    tree = search.tree(env.reset())
+    errors: list[BaseException] = []
+
+    def searching() -> None:
+        try:
+            if mode == "threads":
+                search.run(tree, 10**6)
+            else:
+                asyncio.run(search.arun(tree, 10**6))
+        except BaseException as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=searching)
+    thread.start()
+    assert served.wait(60)
+    server.close()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], SearchError)
+    assert isinstance(errors[0].__cause__, ServerClosedError)
+    assert_consistent(tree.root, tree.root.total)
+    search.close()
+
+
+def test_bad_arguments_and_outputs_are_refused_by_name():
+    env = TicTacToeEnv()
+    with pytest.raises(ValueError, match=r"searchers must be an int >= 1 \(got 0\)"):
+        TreeSearch(env, make_policy(), searchers=0)
+    with pytest.raises(ValueError, match=r"virtual_loss must be a number >= 0 \(got -1\)"):
+        TreeSearch(env, make_policy(), virtual_loss=-1)
+    search = TreeSearch(env, make_policy())
+    with pytest.raises(ValueError, match=r"simulations must be an int >= 1 \(got 0\)"):
+        search.run(search.tree(env.reset()), 0)
+    no_value = TreeSearch(env, lambda td: td.set("logits", torch.zeros(9)), observation_keys=["board"])
+    with pytest.raises(SearchError, match="the policy's output has no 'value'"):
+        no_value.run(no_value.tree(env.reset()), 3)
+    with pytest.raises(TypeError, match="arun needs a policy with acall"):
+        asyncio.run(search.arun(search.tree(env.reset()), 3))
+
+
+def test_a_local_policy_and_the_server_search_alike():
+    env = TicTacToeEnv()
+    policy = make_policy()
+    local = TreeSearch(env, policy).run(TreeSearch(env, policy).tree(env.reset()), 100)["visits"]
+    with BatchedPolicyServer(make_policy(), max_batch_size=4) as server:
+        search = TreeSearch(env, server.remote_policy())
+        remote = search.run(search.tree(env.reset()), 100)["visits"]
+    assert torch.equal(local, remote)
+
+
+def test_leaf_requests_are_fresh_tensordicts_of_the_observation_keys():
+    env = TicTacToeEnv()
+    seen: list[set] = []
+
+    def record(td):
+        seen.append(set(td.keys()))
+        return td.set("logits", torch.zeros(*td.batch_size, 9)).set("value", torch.zeros(*td.batch_size, 1))
+
+    search = TreeSearch(env, record, observation_keys=["board"])
+    tree = search.tree(env.reset())
+    search.run(tree, 10)
+    assert seen and all(keys == {"board"} for keys in seen)
+    assert set(tree.root.state.keys()) == {"board", "turn", "mask"}  # the policy's writes never reach the tree
+    assert isinstance(tree.root.state, TensorDict)
