@@ -6,7 +6,12 @@ and the policy/value network of ``examples/mcts_selfplay.py``, served by one
 
 * **throughput**: self-play moves (64 simulations each, root noise) with 1
   game and with 16 games at once, each searched by 1, 4, 16 or 64 walks of
-  its tree (virtual loss 1): leaf evaluations/s and the server's mean batch;
+  its tree (virtual loss 1): leaf evaluations/s and the server's mean batch.
+  Twice: with the example's small network as it is (its forward costs a few
+  µs a row on CPU, so the walks' own Python bounds everything), and with a
+  forward that costs a fixed ``--forward-ms`` per batch whatever its rows (a
+  sleep after the real forward: the shape of a large network on a GPU,
+  where one row costs about what 64 do);
 * **strength**: the net-guided search with 1, 4 or 16 searchers and virtual
   loss 0, 1 or 3 against plain MCTS (one searcher, uniform priors, random
   rollouts) at the same simulations per move, colours alternating.
@@ -18,6 +23,7 @@ network.
 
     python benchmarks/mcts.py            # writes docs/benchmarks_mcts.md and docs/benchmarks_mcts.png
     python benchmarks/mcts.py --quick    # seconds; a smoke test
+    python benchmarks/mcts.py --curves A.json B.json   # learning curves of example runs -> docs/mcts_learning.png
 """
 
 from __future__ import annotations
@@ -44,11 +50,27 @@ from torchrl_batchserve.mcts import TreeSearch  # noqa: E402
 DEFAULT_WEIGHTS = ROOT / "outputs" / "mcts_selfplay" / "connect4_server_threads.pt"
 
 
-def make_policy(weights: Path | None) -> Any:
+class FixedCost(torch.nn.Module):
+    """The network, then a sleep to ``ms`` per forward: a batch costs the same whatever its rows."""
+
+    def __init__(self, net: torch.nn.Module, ms: float) -> None:
+        super().__init__()
+        self.net, self.ms = net, ms
+
+    def forward(self, board: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        out = self.net(board)
+        time.sleep(max(0.0, self.ms / 1000 - (time.perf_counter() - start)))
+        return out
+
+
+def make_policy(weights: Path | None, forward_ms: float = 0.0) -> Any:
     env = example.ConnectFourEnv()
     policy = example.make_policy(env, seed=0)
     if weights is not None:
         policy.module.load_state_dict(torch.load(weights))
+    if forward_ms:
+        policy.module = FixedCost(policy.module, forward_ms)
     return policy
 
 
@@ -63,11 +85,13 @@ def searcher(env: Any, policy: Any, searchers: int, virtual_loss: float, seed: i
     )
 
 
-def throughput(games: int, searchers: int, seconds: float, simulations: int, weights: Path | None) -> dict:
+def throughput(
+    games: int, searchers: int, seconds: float, simulations: int, weights: Path | None, forward_ms: float
+) -> dict:
     """Self-play moves for ``seconds``: ``games`` game threads, ``searchers`` walks per tree."""
     env = example.ConnectFourEnv()
     rows = example.Counter()
-    with BatchedPolicyServer(make_policy(weights), max_batch_size=256, timeout=0.002) as server:
+    with BatchedPolicyServer(make_policy(weights, forward_ms), max_batch_size=1024, timeout=0.002) as server:
         remote = server.remote_policy()
         deadline = time.perf_counter() + seconds
         moves = example.Counter()
@@ -91,6 +115,7 @@ def throughput(games: int, searchers: int, seconds: float, simulations: int, wei
         elapsed = time.perf_counter() - start
         stats = server.statistics()
     return {
+        "forward_ms": forward_ms,
         "games": games,
         "searchers": searchers,
         "evaluations_per_s": rows.value / elapsed,
@@ -130,17 +155,19 @@ def plot(grid: list[dict], matches: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for games in sorted({r["games"] for r in grid}):
-        rows = [r for r in grid if r["games"] == games]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for (cost, games), style in zip(sorted({(r["forward_ms"], r["games"]) for r in grid}), ("-", "--", "-", "--")):
+        rows = [r for r in grid if (r["forward_ms"], r["games"]) == (cost, games)]
         xs = [r["searchers"] for r in rows]
-        label = f"{games} game{'s' if games > 1 else ''} at once"
-        axes[0].plot(xs, [r["evaluations_per_s"] for r in rows], marker="o", label=label)
-        axes[1].plot(xs, [r["mean_batch"] for r in rows], marker="o", label=label)
+        forward = f"{cost:g} ms forward" if cost else "small net"
+        label = f"{games} game{'s' if games > 1 else ''}, {forward}"
+        color = "tab:orange" if cost else "tab:blue"
+        axes[0].plot(xs, [r["evaluations_per_s"] for r in rows], style, color=color, marker="o", label=label)
+        axes[1].plot(xs, [r["mean_batch"] for r in rows], style, color=color, marker="o", label=label)
     for ax, ylabel in ((axes[0], "leaf evaluations / s"), (axes[1], "mean batch rows")):
-        ax.set(xscale="log", xlabel="searchers per tree", ylabel=ylabel)
+        ax.set(xscale="log", yscale="log", xlabel="searchers per tree", ylabel=ylabel)
         ax.set_xticks([1, 4, 16, 64], labels=["1", "4", "16", "64"])
-        ax.legend()
+        ax.legend(fontsize=8)
     labels = [f"{m['searchers']}s vl={m['virtual_loss']:g}" if m["searchers"] > 1 else "1 searcher" for m in matches]
     axes[2].bar(range(len(matches)), [m["score"] for m in matches], color="tab:green")
     axes[2].set_xticks(range(len(matches)), labels=labels, rotation=30, ha="right")
@@ -152,23 +179,52 @@ def plot(grid: list[dict], matches: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_curves(runs: list[Path], path: Path) -> None:
+    """Score against plain MCTS over learning time (self-play and training) of ``mcts_selfplay.py`` runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for run in runs:
+        result = json.loads(run.read_text())
+        rows = result["history"]
+        n = result["searchers_per_tree"]
+        label = f"{result['games_at_once']} games at once, {n} searcher{'s' if n > 1 else ''} per tree"
+        ax.plot([r["seconds"] for r in rows], [r["vs_mcts"] for r in rows], marker="o", label=label)
+    ax.axhline(0.5, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="learning time, s (self-play + training)", ylabel="score vs plain MCTS", ylim=(0, 1.02))
+    ax.set_title("Connect Four self-play: learning per wall-clock second")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test")
     parser.add_argument("--seconds", type=float, default=20.0, help="per throughput setting")
     parser.add_argument("--games", type=int, default=16, help="strength games per setting")
     parser.add_argument("--simulations", type=int, default=64, help="per move, both measurements")
+    parser.add_argument("--forward-ms", type=float, default=5.0, help="the fixed forward cost of the second grid")
     parser.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS if DEFAULT_WEIGHTS.exists() else None)
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the report and plot go")
+    parser.add_argument("--curves", type=Path, nargs="+", help="plot these example results instead, and stop")
     args = parser.parse_args(argv)
+    if args.curves:
+        plot_curves(args.curves, args.out / "mcts_learning.png")
+        return {}
     if args.quick:
         args.seconds, args.games, args.simulations = 0.5, 1, 8
     torch.set_num_threads(1)
     grid = []
-    for games in (1, 16):
-        for searchers in (1, 4, 16, 64):
-            grid.append(throughput(games, searchers, args.seconds, args.simulations, args.weights))
-            print(json.dumps(grid[-1]))
+    for forward_ms in (0.0, args.forward_ms):
+        for games in (1, 16):
+            for searchers in (1, 4, 16, 64):
+                grid.append(throughput(games, searchers, args.seconds, args.simulations, args.weights, forward_ms))
+                print(json.dumps(grid[-1]))
     matches = []
     for searchers, vl in ((1, 0.0), (4, 0.0), (4, 1.0), (4, 3.0), (16, 0.0), (16, 1.0), (16, 3.0)):
         matches.append(strength(searchers, vl, args.games, args.simulations, args.weights))
@@ -177,6 +233,10 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     plot(grid, matches, args.out / f"{stem}.png")
     weights = args.weights.name if args.weights is not None else "the untrained network"
+
+    def forward(ms: float) -> str:
+        return f"{ms:g} ms a batch" if ms else "the small net"
+
     lines = [
         "# Tree-parallel MCTS: throughput and strength",
         "",
@@ -184,11 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         f"## Throughput ({args.seconds:g} s of self-play moves per setting, virtual loss 1, no cache)",
         "",
-        "| games at once | searchers per tree | leaf evaluations/s | moves/s | mean batch rows |",
-        "|---:|---:|---:|---:|---:|",
+        "| forward | games at once | searchers per tree | leaf evaluations/s | moves/s | mean batch rows |",
+        "|---|---:|---:|---:|---:|---:|",
         *(
-            f"| {r['games']} | {r['searchers']} | {r['evaluations_per_s']:.0f} | {r['moves_per_s']:.1f} "
-            f"| {r['mean_batch']:.1f} |"
+            f"| {forward(r['forward_ms'])} | {r['games']} "
+            f"| {r['searchers']} | {r['evaluations_per_s']:.0f} | {r['moves_per_s']:.1f} | {r['mean_batch']:.1f} |"
             for r in grid
         ),
         "",

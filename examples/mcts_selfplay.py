@@ -643,7 +643,7 @@ def summary(result: dict) -> str:
         f"{result['games']} games, {result['evaluations']} leaf evaluations in {result['self_play_seconds']:.1f} s "
         f"of self-play: {result['evaluations_per_second']:.0f} evaluations/s "
         f"({'one server' if result['server'] else 'one model per game'}, {result['games_at_once']} games at once "
-        f"as {result['mode']}, {result['searchers_per_tree']} searchers per tree, "
+        f"as {result['mode']}, {result['searchers_per_tree']} searcher(s) per tree, "
         f"virtual loss {result['virtual_loss']})"
     ]
     if result["server"]:

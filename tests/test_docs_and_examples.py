@@ -166,6 +166,16 @@ def test_weights_benchmark_quick_smoke(tmp_path):
     assert (tmp_path / "benchmarks_weights_quick.md").exists()
 
 
+def test_mcts_benchmark_quick_smoke(tmp_path):
+    bench = _load("benchmarks", "mcts")
+    out = bench.main(["--quick", "--out", str(tmp_path)])
+    grid = {(r["games"], r["searchers"]): r for r in out["throughput"]}
+    assert set(grid) == {(g, s) for g in (1, 16) for s in (1, 4, 16, 64)}
+    assert all(r["evaluations_per_s"] > 0 and r["mean_batch"] >= 1 for r in grid.values())
+    assert all(0 <= m["score"] <= 1 and m["games"] == 1 for m in out["strength"])
+    assert (tmp_path / "benchmarks_mcts_quick.md").exists() and (tmp_path / "benchmarks_mcts_quick.png").exists()
+
+
 def test_a_short_soak_loses_duplicates_and_corrupts_nothing_and_leaves_nothing_behind():
     # benchmarks/soak.py with small settings: mixed threads, futures, asyncio tasks and a
     # worker process while weights are pushed; every result checked at its stamped version.
