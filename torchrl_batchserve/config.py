@@ -1,65 +1,103 @@
-"""Hydra/OmegaConf at the edge: structured configs and builders.
+"""Hydra/OmegaConf at the edge: structured configs that compose with TorchRL's, and builders.
 
 This is the only module that imports Hydra or OmegaConf; the core takes typed
-arguments. A server is described in YAML as
+arguments. Three nodes, registered in Hydra's ConfigStore when this module is
+imported, in the style of ``torchrl.trainers.algorithms.configs``
+(``ConfigBase`` dataclasses with a ``_target_``):
 
-.. code-block:: yaml
+- ``server/batchserve`` (:class:`ServerConfig`): one
+  :class:`~torchrl_batchserve.BatchedPolicyServer`, built (and started) once
+  per ``name`` and its ``policy`` node;
+- ``policy/batchserve_remote`` (:class:`RemotePolicyConfig`): that server's
+  ``remote_policy()``, e.g. as ``collector.policy``;
+- ``weight_sync_scheme/batchserve`` (:class:`WeightSyncSchemeConfig`): that
+  server's ``weight_sync_scheme()``, e.g. as
+  ``collector.weight_sync_schemes.policy``.
 
+The last two hold the server node (``server: ${server}``); however many nodes
+refer to it, instantiating them builds one server::
+
+    defaults:
+      - collector: sync                 # TorchRL's Collector config
+      - server@server: batchserve
+      - _self_
     server:
-      max_batch_size: 64
-      timeout: 0.002
-      device: null
-      output_device: null
-      max_queue_size: null
-      policy_version_key: policy_version
-      cost_fn: null            # or {_target_: torchrl_batchserve.LengthCost, key: tokens}
-      max_batch_cost: null
-      collate: null            # or {_target_: torchrl_batchserve.PadCollate, keys: [tokens]}
-      cache: null              # or {_target_: torchrl_batchserve.EvaluationCache, capacity: 100000}
-      input_spec: null         # or {observation: {shape: [64], dtype: float32}}, or a _target_ node
+      name: pendulum
+      policy: {_target_: my_recipe.make_policy}
+      max_batch_size: 32
+    collector:
+      create_env_fn: ...
+      policy: {_target_: torchrl_batchserve.config.remote_policy, server: "${server}"}
+      weight_sync_schemes:
+        policy: {_target_: torchrl_batchserve.config.weight_sync_scheme, server: "${server}"}
 
-and built with :func:`build_server` around a policy made by the caller.
+Every field is typed, so a wrong value (``server.timeout=fast``) fails when
+the config is composed, naming the key, before anything runs.
+:func:`build_server` builds a server from a server node around a policy made
+by the caller.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from tensordict import TensorDict
+from torchrl.trainers.algorithms.configs.common import ConfigBase
 
 from torchrl_batchserve.server import BatchedPolicyServer
 
-__all__ = ["ServerConfig", "build_server", "register_configs"]
+__all__ = [
+    "RemotePolicyConfig",
+    "ServerConfig",
+    "WeightSyncSchemeConfig",
+    "build_server",
+    "register_configs",
+    "remote_policy",
+    "server",
+    "weight_sync_scheme",
+]
 
 
 @dataclass
-class ServerConfig:
-    """The keyword arguments of :class:`~torchrl_batchserve.BatchedPolicyServer`.
+class ServerConfig(ConfigBase):
+    """A :class:`~torchrl_batchserve.BatchedPolicyServer`: its keyword arguments, its policy and its name.
 
-    ``collate``, ``cost_fn`` and ``cache`` are Hydra nodes with ``_target_``
-    (instantiated), or ``None``. ``input_spec`` is one too (e.g. a
+    ``policy`` is a node with a ``_target_`` that builds the policy (only
+    needed when the node itself is instantiated; :func:`build_server` takes
+    the policy as an argument). ``collate``, ``cost_fn`` and ``cache`` are
+    nodes with ``_target_`` too, or ``None``. ``input_spec`` is one (e.g. a
     ``torchrl.data.Composite``), or each entry's feature ``shape``, ``dtype``
     (a torch dtype's name, default ``float32``) and ``device`` (default
     ``cpu``) by key, nested keys as nested mappings.
 
     Examples:
-        >>> import torch
+        >>> from hydra.utils import instantiate
         >>> from omegaconf import OmegaConf
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl_batchserve.config import ServerConfig, build_server
-        >>> cfg = OmegaConf.merge(OmegaConf.structured(ServerConfig), {"max_batch_size": 8})
-        >>> policy = TensorDictModule(torch.nn.Linear(2, 2), in_keys=["obs"], out_keys=["act"])
-        >>> build_server(cfg, policy).max_batch_size
-        8
+        >>> from torchrl_batchserve.config import ServerConfig
+        >>> policy = {"_target_": "tensordict.nn.TensorDictModule", "in_keys": ["obs"], "out_keys": ["act"],
+        ...           "module": {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 2}}
+        >>> cfg = OmegaConf.merge(OmegaConf.structured(ServerConfig), {"name": "doc", "max_batch_size": 8,
+        ...                                                          "policy": policy})
+        >>> server = instantiate(cfg)          # built and started, once per name
+        >>> server is instantiate(cfg), server.max_batch_size
+        (True, 8)
+        >>> server.close()
+        True
     """
 
+    _target_: str = "torchrl_batchserve.config.server"
+    _recursive_: bool = False  # the policy and the parts are built once, by server()
+    name: str = "server"
+    policy: Any = None
     max_batch_size: int = 64
     timeout: float = 0.002
-    device: str | None = None
+    device: Any = None
     output_device: str | None = None
     max_queue_size: int | None = None
     cost_fn: Any = None
@@ -68,6 +106,74 @@ class ServerConfig:
     policy_version_key: str | None = "policy_version"
     collate: Any = None
     input_spec: Any = None
+    forward_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        """Nothing to derive: every field is a keyword of the server."""
+
+
+@dataclass
+class RemotePolicyConfig(ConfigBase):
+    """``server.remote_policy()`` of the server node ``server`` (e.g. ``server: ${server}``)."""
+
+    _target_: str = "torchrl_batchserve.config.remote_policy"
+    server: Any = MISSING
+
+    def __post_init__(self) -> None:
+        """Nothing to derive."""
+
+
+@dataclass
+class WeightSyncSchemeConfig(ConfigBase):
+    """``server.weight_sync_scheme()`` of the server node ``server``: a TorchRL ``WeightSyncScheme``."""
+
+    _target_: str = "torchrl_batchserve.config.weight_sync_scheme"
+    server: Any = MISSING
+
+    def __post_init__(self) -> None:
+        """Nothing to derive."""
+
+
+_SERVERS: dict[str, tuple[dict, BatchedPolicyServer]] = {}
+_SERVERS_LOCK = threading.Lock()
+_NOT_KWARGS = ("_target_", "_recursive_", "name", "policy")
+
+
+def server(name: str = "server", policy: Any = None, **kwargs: Any) -> BatchedPolicyServer:
+    """The started server called ``name``, built from these arguments the first time.
+
+    Called by Hydra for a :class:`ServerConfig` node; later calls with the
+    same name and the same arguments return the same server (until it is
+    closed), so every node that refers to it shares one. The same name with
+    other arguments raises ``ValueError``.
+    """
+    settings = {"policy": _plain(policy), **{k: _plain(v) for k, v in kwargs.items()}}
+    with _SERVERS_LOCK:
+        known = _SERVERS.get(name)
+        if known is not None and not known[1].closed:
+            if known[0] != settings:
+                differ = {k: (known[0].get(k), v) for k, v in settings.items() if known[0].get(k) != v}
+                raise ValueError(f"server {name!r} already exists with other settings (built with, got): {differ}")
+            return known[1]
+        if policy is None:
+            raise ValueError(f"server {name!r}: the server node needs a policy node with a _target_ (got None)")
+        built = build_server(kwargs, instantiate(policy, _convert_="all")).start()
+        _SERVERS[name] = (settings, built)
+        return built
+
+
+def remote_policy(server: BatchedPolicyServer) -> Any:
+    """``server.remote_policy()``: the node a collector's ``policy`` refers to."""
+    return server.remote_policy()
+
+
+def weight_sync_scheme(server: BatchedPolicyServer) -> Any:
+    """``server.weight_sync_scheme()``: the node of a collector's ``weight_sync_schemes``."""
+    return server.weight_sync_scheme()
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
 
 
 def build_server(cfg: DictConfig | ServerConfig | dict, policy: Any, **overrides: Any) -> BatchedPolicyServer:
@@ -80,6 +186,8 @@ def build_server(cfg: DictConfig | ServerConfig | dict, policy: Any, **overrides
         cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     node = OmegaConf.merge(OmegaConf.structured(ServerConfig), cfg)
     kwargs: dict[str, Any] = OmegaConf.to_container(node, resolve=True)  # type: ignore[assignment]
+    for name in _NOT_KWARGS:
+        kwargs.pop(name)
     for name in ("collate", "cost_fn", "cache"):
         if kwargs[name] is not None:
             kwargs[name] = instantiate(getattr(node, name), _convert_="all")
@@ -110,7 +218,15 @@ def _sample(entries: dict, prefix: tuple = ()) -> TensorDict:
 
 
 def register_configs() -> None:
-    """Register :class:`ServerConfig` in Hydra's ConfigStore as ``batchserve/server``."""
-    from hydra.core.config_store import ConfigStore
+    """Register the nodes in Hydra's ConfigStore (done on import; calling it again is harmless).
 
-    ConfigStore.instance().store(group="batchserve", name="server", node=ServerConfig)
+    ``server/batchserve``, ``policy/batchserve_remote`` and
+    ``weight_sync_scheme/batchserve``, next to TorchRL's own groups.
+    """
+    store = ConfigStore.instance()
+    store.store(group="server", name="batchserve", node=ServerConfig)
+    store.store(group="policy", name="batchserve_remote", node=RemotePolicyConfig)
+    store.store(group="weight_sync_scheme", name="batchserve", node=WeightSyncSchemeConfig)
+
+
+register_configs()

@@ -373,12 +373,16 @@ class TreeSearch:
         """
         priors = self._start(tree, simulations, noise, lambda td: self.policy(td))
         run = _Run(simulations)
+        helpers = []
         try:
             with torch.no_grad():
                 helpers = [self._executor().submit(self._drive, tree, run) for _ in range(self.searchers - 1)]
                 self._drive(tree, run)
-                wait(helpers)
+        except BaseException as err:  # a KeyboardInterrupt while the helpers walk: they stop claiming too
+            run.fail(err)
+            raise
         finally:
+            wait(helpers)
             tree.root.priors = priors
         return self._result(tree, run, temperature)
 

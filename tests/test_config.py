@@ -1,0 +1,124 @@
+"""Our config nodes inside TorchRL's own: one server behind a collector's policy and weight-sync scheme."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf.errors import ValidationError
+from tensordict.nn import TensorDictModule
+from torchrl.trainers.algorithms.configs.common import ConfigBase
+
+import torchrl_batchserve.config  # noqa: F401  (registers our nodes)
+
+
+class PendulumNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.tanh(self.lin(torch.stack([th.sin(), th.cos(), thdot], -1)))
+
+
+def make_policy() -> TensorDictModule:
+    torch.manual_seed(0)
+    return TensorDictModule(PendulumNet(), in_keys=["th", "thdot"], out_keys=["action"])
+
+
+@dataclass
+class PendulumEnvConfig(ConfigBase):
+    """TorchRL's PendulumEnv as an env node (TorchRL registers envs of other libraries only)."""
+
+    _target_: str = "torchrl.envs.PendulumEnv"
+    _partial_: bool = True
+
+    def __post_init__(self) -> None:
+        pass
+
+
+ConfigStore.instance().store(group="env", name="pendulum_for_tests", node=PendulumEnvConfig)
+
+RECIPE = f"""
+defaults:
+  - env: pendulum_for_tests
+  - collector: sync
+  - server@server: batchserve
+  - _self_
+server:
+  name: collector_recipe
+  max_batch_size: 8
+  timeout: 0.005
+  policy:
+    _target_: {__name__}.make_policy
+collector:
+  create_env_fn: ${{env}}
+  frames_per_batch: 16
+  total_frames: 48
+  auto_register_policy_transforms: false
+  policy:
+    _target_: torchrl_batchserve.config.remote_policy
+    server: ${{server}}
+  weight_sync_schemes:
+    policy:
+      _target_: torchrl_batchserve.config.weight_sync_scheme
+      server: ${{server}}
+"""
+
+
+@pytest.fixture
+def recipe_dir(tmp_path):
+    (tmp_path / "recipe.yaml").write_text(RECIPE)
+    return str(tmp_path)
+
+
+def test_a_torchrl_collector_config_collects_through_our_server_and_takes_pushed_weights(recipe_dir):
+    with initialize_config_dir(config_dir=recipe_dir, version_base=None):
+        cfg = compose(config_name="recipe")
+    collector = instantiate(cfg.collector)
+    server = instantiate(cfg.server)  # the one server both nodes refer to
+    try:
+        assert collector.policy is not server and server.max_batch_size == 8
+        batches = iter(collector)
+        first = next(batches)
+        assert server.statistics().requests > 0  # the collector's frames went through the server
+        assert first["policy_version"].eq(0).all()
+        with torch.no_grad():
+            for param in server.module.parameters():  # the trainer trains the module it serves
+                param.add_(1.0)
+        collector.update_policy_weights_()
+        assert server.policy_version == 1
+        second = next(batches)
+        assert second["policy_version"].eq(1).all()
+        expected = server.module(second[0].select("th", "thdot").clone())["action"]
+        assert torch.equal(second[0]["action"], expected)
+    finally:
+        collector.shutdown()
+        server.close()
+
+
+def test_a_wrong_value_fails_at_compose_time_naming_the_key(recipe_dir):
+    with initialize_config_dir(config_dir=recipe_dir, version_base=None):
+        with pytest.raises((ValidationError, HydraException), match=r"server\.timeout"):
+            compose(config_name="recipe", overrides=["server.timeout=fast"])
+
+
+def test_one_name_one_server_and_other_settings_under_it_are_refused(recipe_dir):
+    with initialize_config_dir(config_dir=recipe_dir, version_base=None):
+        cfg = compose(config_name="recipe", overrides=["server.name=shared"])
+        other = compose(config_name="recipe", overrides=["server.name=shared", "server.max_batch_size=4"])
+    server = instantiate(cfg.server)
+    try:
+        assert instantiate(cfg.collector.policy.server) is server
+        with pytest.raises(HydraException, match=r"server 'shared' already exists .*'max_batch_size': \(8, 4\)"):
+            instantiate(other.server)
+    finally:
+        server.close()
+    rebuilt = instantiate(cfg.server)  # a closed server is built anew
+    assert rebuilt is not server and not rebuilt.closed
+    rebuilt.close()
