@@ -283,7 +283,9 @@ def test_an_input_spec_fixes_the_layout_before_the_first_request(net, kind):
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy, input_spec=spec) as server:
         remote = server.remote_policy()
-        with pytest.raises(BadRequestError, match=r"expected feature shape \(8,\) after the batch dims \[\], got shape \(5,\)"):
+        with pytest.raises(
+            BadRequestError, match=r"expected feature shape \(8,\) after the batch dims \[\], got shape \(5,\)"
+        ):
             remote(obs(n=5))  # the first request: it fixes nothing
         with pytest.raises(BadRequestError, match="key 'observation': expected dtype torch.float32, got torch.float64"):
             remote(TensorDict(observation=torch.randn(8).double()))
@@ -600,3 +602,83 @@ def test_every_serving_thread_runs_the_policy_with_torchs_intra_op_thread_count(
         torch.set_num_threads(before)
     assert {name for name, _ in seen} == {"fresh-actor", "batchserve-replica-0"}
     assert [n for _, n in seen] == [1, 1, 1]
+
+
+def test_statistics_since_an_earlier_snapshot_cover_only_what_came_after(policy):
+    with BatchedPolicyServer(policy, max_batch_size=4, timeout=0.001) as server:
+        remote = server.remote_policy()
+        for _ in range(5):
+            remote(obs())
+        start = server.statistics()
+        futures = [remote.submit(obs(2)) for _ in range(3)]
+        for f in futures:
+            f.result(timeout=30)
+        window = server.statistics(since=start)
+        total = server.statistics()
+    assert (window.requests, window.rows) == (3, 6)
+    assert window.requests + start.requests == total.requests and window.batches == total.batches - start.batches
+    assert sum(window.batch_size_histogram.values()) == window.batches
+    assert sum(window.fired.values()) == window.batches
+    assert sum(r.batches for r in window.replicas) == window.batches
+    assert window.forward_p99 > 0
+
+
+def test_statistics_flatten_for_loggers_and_convert_with_asdict(policy):
+    import dataclasses
+
+    from torchrl.record.loggers import CSVLogger
+
+    from torchrl_batchserve import log_statistics
+
+    with BatchedPolicyServer(policy, max_batch_size=4) as server:
+        server.remote_policy()(obs())
+        stats = server.statistics()
+    flat = stats.as_dict()
+    assert flat["requests"] == 1 and flat["mean_batch_size"] == 1.0 and "replica0/batches" in flat
+    assert all(isinstance(v, int | float) for v in flat.values())
+    assert sum(v for k, v in flat.items() if k.startswith("fired/")) == 1
+    assert dataclasses.asdict(stats)["batch_size_histogram"] == {1: 1}
+
+    class Recorder:
+        def __init__(self):
+            self.scalars = {}
+
+        def log_scalar(self, name, value, step=None):
+            self.scalars[name] = (value, step)
+
+    recorder = Recorder()
+    log_statistics(recorder, stats, step=7, prefix="serve/")
+    assert recorder.scalars["serve/requests"] == (1.0, 7) and len(recorder.scalars) == len(flat)
+    assert isinstance(CSVLogger, type)  # the helper's intended target; its doctest logs to one
+
+
+def test_batches_that_mostly_fire_on_the_timeout_far_below_capacity_log_advice_once(policy, caplog, monkeypatch):
+    from torchrl_batchserve import stats as stats_module
+
+    monkeypatch.setattr(stats_module, "ADVICE_BATCHES", 32)
+
+    async def one_task_after_another(remote) -> None:
+        # Each request from a new task: the last one, served and gone, is a caller the queue still
+        # expects, so every batch waits the timeout out, with one row.
+        for _ in range(100):
+            await asyncio.create_task(remote.acall(obs()))
+
+    with caplog.at_level("WARNING", logger="torchrl_batchserve"):
+        with BatchedPolicyServer(policy, max_batch_size=64, timeout=0.0005) as server:
+            asyncio.run(one_task_after_another(server.remote_policy()))
+            assert server.statistics().fired.get("timeout", 0) >= 90
+    advice = [r.getMessage() for r in caplog.records if "fire on the timeout" in r.getMessage()]
+    assert len(advice) == 1  # rate-limited: three windows of 32 batches, one message
+    assert "max_batch_size=64" in advice[0] and "timeout=0.5 ms" in advice[0] and "1.0 rows" in advice[0]
+
+
+def test_full_batches_give_no_tuning_advice(policy, caplog, monkeypatch):
+    from torchrl_batchserve import stats as stats_module
+
+    monkeypatch.setattr(stats_module, "ADVICE_BATCHES", 8)
+    with caplog.at_level("WARNING", logger="torchrl_batchserve"):
+        with BatchedPolicyServer(policy, max_batch_size=4, timeout=10.0) as server:
+            remote = server.remote_policy()
+            for _ in range(16):
+                remote.submit(obs(4)).result(timeout=30)  # 4 rows: full at once
+    assert not [r for r in caplog.records if "fire on the timeout" in r.getMessage()]

@@ -22,7 +22,7 @@ from torchrl_batchserve.errors import (
 from torchrl_batchserve.queue import FireReason
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
-from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics
+from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, log_statistics
 from torchrl_batchserve.varlen import LengthCost, PackCollate, PadCollate
 from torchrl_batchserve.weight_sync import BatchServeWeightSyncScheme, weight_updater
 
@@ -53,5 +53,6 @@ __all__ = [
     "WeightBroadcaster",
     "WeightReceiver",
     "WeightSyncError",
+    "log_statistics",
     "weight_updater",
 ]

@@ -254,7 +254,7 @@ class BatchedPolicyServer(TensorDictModule):
         self._weights = ShadowWeights(first, devices[0])
         self._replicas = [Replica(m, d, self._weights, i) for i, (m, d) in enumerate(zip(served, devices))]
         self._queue = RequestQueue(max_batch_size, timeout, max_queue_size, max_batch_cost, runners=len(devices))
-        self._stats = StatisticsRecorder()
+        self._stats = StatisticsRecorder(max_batch_size, timeout)
         self._serving = Serving(
             self._queue,
             layout,
@@ -440,10 +440,15 @@ class BatchedPolicyServer(TensorDictModule):
 
         return BatchServeWeightSyncScheme(server=self)
 
-    def statistics(self) -> ServerStatistics:
-        """A frozen snapshot of the serving statistics."""
+    def statistics(self, since: ServerStatistics | None = None) -> ServerStatistics:
+        """A frozen snapshot of the serving statistics.
+
+        With ``since`` (an earlier snapshot of this server), what happened
+        after it: counters are differences and percentiles cover the newer
+        samples only, e.g. one training iteration with warm-up left out.
+        """
         replicas = tuple(ReplicaStatistics(str(r.device), r.batches, r.rows, r.version) for r in self._replicas)
-        return self._stats.snapshot(self._weights.latest_version, self.cache, replicas)
+        return self._stats.snapshot(self._weights.latest_version, self.cache, replicas, since)
 
 
 def _abandon(queue: RequestQueue, serving: Serving, hubs: list[ProcessHub | None]) -> None:

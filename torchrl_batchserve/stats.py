@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["ReplicaStatistics", "ServerStatistics", "StatisticsRecorder"]
+__all__ = ["ReplicaStatistics", "ServerStatistics", "StatisticsRecorder", "log_statistics"]
+
+logger = logging.getLogger("torchrl_batchserve")
+
+# Tuning advice: looked at every ADVICE_BATCHES batches, logged at most once per ADVICE_INTERVAL seconds.
+ADVICE_BATCHES = 1024
+ADVICE_INTERVAL = 300.0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -34,7 +40,11 @@ class ReplicaStatistics:
 class ServerStatistics:
     """A snapshot of what a server has done since it was built.
 
-    Times are in seconds. Percentiles cover the most recent ``window`` samples.
+    Times are in seconds. Percentiles cover the most recent samples (4,096 of
+    each kind), or with ``server.statistics(since=earlier)`` those recorded
+    after ``earlier`` was taken, whose counters are then differences too (a
+    training loop's last iteration, warm-up left out). ``as_dict()`` is flat,
+    for loggers (:func:`log_statistics`); ``dataclasses.asdict`` works too.
 
     Examples:
         >>> import torch
@@ -68,7 +78,21 @@ class ServerStatistics:
     cache_coalesced: int = 0
     uptime: float = 0.0
     replicas: tuple[ReplicaStatistics, ...] = ()
-    extra: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    sample_counts: tuple[int, int, int] = (0, 0, 0)  # waits, forwards, applies recorded so far: for since=
+
+    def as_dict(self) -> dict[str, float]:
+        """The statistics as flat ``name: number`` pairs (``fired/<reason>``, ``replica<i>/<field>``)."""
+        out: dict[str, float] = {
+            name: getattr(self, name)
+            for name in self.__dataclass_fields__
+            if name not in ("batch_size_histogram", "fired", "replicas", "sample_counts")
+        }
+        out.update(mean_batch_size=self.mean_batch_size, cache_hit_rate=self.cache_hit_rate)
+        out.update({f"fired/{reason}": n for reason, n in self.fired.items()})
+        for i, replica in enumerate(self.replicas):
+            out.update({f"replica{i}/batches": replica.batches, f"replica{i}/rows": replica.rows})
+            out[f"replica{i}/version"] = replica.version
+        return out
 
     @property
     def mean_batch_size(self) -> float:
@@ -100,10 +124,39 @@ class ServerStatistics:
         )
 
 
-class StatisticsRecorder:
-    """Counters and bounded sample windows, written by the serve loop."""
+def log_statistics(logger: Any, statistics: ServerStatistics, step: int | None = None, prefix: str = "server/") -> None:
+    """Log ``statistics.as_dict()`` to a TorchRL ``Logger`` (anything with ``log_scalar(name, value, step)``).
 
-    def __init__(self, window: int = 4096) -> None:
+    Examples:
+        >>> import tempfile
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.record.loggers import CSVLogger
+        >>> from torchrl_batchserve import BatchedPolicyServer, log_statistics
+        >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["obs"], out_keys=["act"])
+        >>> csv = CSVLogger("run", log_dir=tempfile.mkdtemp())
+        >>> with BatchedPolicyServer(policy) as server:
+        ...     start = server.statistics()
+        ...     _ = server.remote_policy()(TensorDict(obs=torch.ones(3)))
+        ...     log_statistics(csv, server.statistics(since=start), step=1)   # this iteration only
+        >>> sorted(csv.experiment.scalars)[:3]
+        ['server/batches', 'server/cache_coalesced', 'server/cache_hit_rate']
+    """
+    for name, value in statistics.as_dict().items():
+        logger.log_scalar(prefix + name, float(value), step=step)
+
+
+class StatisticsRecorder:
+    """Counters and bounded sample windows, written by the serve loop.
+
+    It also watches for batches that mostly fire on the timeout far below
+    ``max_batch_size`` and then logs, at most every few minutes, what to change.
+    """
+
+    def __init__(self, max_batch_size: int = 0, timeout: float = 0.0, window: int = 4096) -> None:
+        self._max_batch_size, self._timeout = max_batch_size, timeout
+        self._advice = [0, 0, 0, -ADVICE_INTERVAL]  # batches, timeout-fired, rows since the last look; when logged
         self._lock = threading.Lock()
         self._started = time.monotonic()
         self._requests = 0
@@ -116,6 +169,7 @@ class StatisticsRecorder:
         self._waits: deque[float] = deque(maxlen=window)
         self._forwards: deque[float] = deque(maxlen=window)
         self._applies: deque[float] = deque(maxlen=window)
+        self._samples = [0, 0, 0]  # ever appended to waits, forwards, applies
         self._weight_updates = 0
 
     def batch(self, requests: int, rows: int, reason: str, waits: Iterable[float], forward: float, ok: bool) -> None:
@@ -125,10 +179,39 @@ class StatisticsRecorder:
             self._batches += 1
             self._sizes[rows] += 1
             self._fired[reason] += 1
+            waits = list(waits)
             self._waits.extend(waits)
+            self._samples[0] += len(waits)
             self._forwards.append(forward)
+            self._samples[1] += 1
             if not ok:
                 self._failed += 1
+            advice = self._look(rows, reason)
+        if advice:
+            logger.warning(advice)
+
+    def _look(self, rows: int, reason: str) -> str | None:
+        """Count this batch for the tuning advice; the advice when it is due (under the lock)."""
+        seen = self._advice
+        seen[0] += 1
+        seen[1] += reason == "timeout"
+        seen[2] += rows
+        if seen[0] < ADVICE_BATCHES:
+            return None
+        batches, on_timeout, rows_seen = seen[:3]
+        seen[:3] = [0, 0, 0]
+        mean = rows_seen / batches
+        now = time.monotonic()
+        if on_timeout < 0.9 * batches or mean > self._max_batch_size / 4 or now - seen[3] < ADVICE_INTERVAL:
+            return None
+        seen[3] = now
+        return (
+            f"most batches fire on the timeout far below max_batch_size: of the last {batches}, "
+            f"{on_timeout / batches:.0%} waited the full timeout={self._timeout * 1e3:g} ms and carried "
+            f"{mean:.1f} rows on average (max_batch_size={self._max_batch_size}). Fewer rows arrive within a "
+            "timeout than a batch holds: lower timeout (the wait buys little batching), or lower max_batch_size "
+            "to about the rows that arrive; more actors per server fill batches (docs/guide.md, the batching rule)"
+        )
 
     def rejected(self) -> None:
         with self._lock:
@@ -138,31 +221,75 @@ class StatisticsRecorder:
         with self._lock:
             self._weight_updates += 1
             self._applies.append(apply_seconds)
+            self._samples[2] += 1
 
     def snapshot(
-        self, policy_version: int, cache: Any = None, replicas: tuple[ReplicaStatistics, ...] = ()
+        self,
+        policy_version: int,
+        cache: Any = None,
+        replicas: tuple[ReplicaStatistics, ...] = (),
+        since: ServerStatistics | None = None,
     ) -> ServerStatistics:
-        """The statistics now; ``cache`` (hits, misses, coalesced counters) when there is one."""
+        """The statistics now (``cache``: its hits, misses, coalesced counters), or since ``since`` was taken."""
         with self._lock:
-            waits, forwards = list(self._waits), list(self._forwards)
-            return ServerStatistics(
+            samples = tuple(self._samples)
+            new = [n - (since.sample_counts[i] if since is not None else 0) for i, n in enumerate(samples)]
+            waits, forwards, applies = (
+                list(d)[len(d) - min(len(d), n) :] for d, n in zip((self._waits, self._forwards, self._applies), new)
+            )
+            now = ServerStatistics(
                 requests=self._requests,
                 rows=self._rows,
                 batches=self._batches,
                 failed_batches=self._failed,
                 rejected_requests=self._rejected,
-                batch_size_histogram=MappingProxyType(dict(sorted(self._sizes.items()))),
-                fired=MappingProxyType(dict(self._fired)),
+                batch_size_histogram=dict(sorted(self._sizes.items())),
+                fired=dict(self._fired),
                 queue_wait_p50=_percentile(waits, 0.5),
                 queue_wait_p99=_percentile(waits, 0.99),
                 forward_p50=_percentile(forwards, 0.5),
                 forward_p99=_percentile(forwards, 0.99),
                 policy_version=policy_version,
                 weight_updates=self._weight_updates,
-                weight_apply_p99=_percentile(list(self._applies), 0.99),
+                weight_apply_p99=_percentile(applies, 0.99),
                 cache_hits=cache.hits if cache is not None else 0,
                 cache_misses=cache.misses if cache is not None else 0,
                 cache_coalesced=cache.coalesced if cache is not None else 0,
                 uptime=time.monotonic() - self._started,
                 replicas=replicas,
+                sample_counts=samples,  # type: ignore[arg-type]
             )
+        return now if since is None else _difference(now, since)
+
+
+_COUNTERS = (
+    "requests",
+    "rows",
+    "batches",
+    "failed_batches",
+    "rejected_requests",
+    "weight_updates",
+    "cache_hits",
+    "cache_misses",
+    "cache_coalesced",
+)
+
+
+def _difference(now: ServerStatistics, since: ServerStatistics) -> ServerStatistics:
+    """``now``'s counters less ``since``'s (its percentiles already cover the newer samples only)."""
+
+    def less(a: Mapping, b: Mapping) -> dict:
+        return {k: v - b.get(k, 0) for k, v in a.items() if v - b.get(k, 0) > 0}
+
+    before = {(r.device, i): r for i, r in enumerate(since.replicas)}
+    replicas = tuple(
+        replace(r, batches=r.batches - p.batches, rows=r.rows - p.rows) if (p := before.get((r.device, i))) else r
+        for i, r in enumerate(now.replicas)
+    )
+    return replace(
+        now,
+        **{name: getattr(now, name) - getattr(since, name) for name in _COUNTERS},
+        batch_size_histogram=less(now.batch_size_histogram, since.batch_size_histogram),
+        fired=less(now.fired, since.fired),
+        replicas=replicas,
+    )
