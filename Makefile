@@ -9,10 +9,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,bench,dev]"
+	$(BIN)/pip install -q -e ".[test,bench,dev,docs]"
 	touch $@
 
-.PHONY: demo demo-actors test lint bench bench-quick
+.PHONY: demo demo-actors test lint docs bench bench-quick
 demo: $(VENV)/.installed
 	$(BIN)/python examples/mcts_selfplay.py
 
@@ -23,7 +23,11 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check torchrl_batchserve tests examples benchmarks
 	$(BIN)/mypy torchrl_batchserve
 
-test: lint
+# The docs site, API reference included: --strict, so a broken page or reference fails.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+test: lint docs
 	$(BIN)/python -m pytest
 
 bench: $(VENV)/.installed

@@ -186,3 +186,26 @@ def test_a_short_soak_loses_duplicates_and_corrupts_nothing_and_leaves_nothing_b
     before, after = result["before"], result["after"]
     assert after["fds"] <= before["fds"] and after["threads"] <= before["threads"]  # others may end meanwhile
     assert after["dev_shm"] <= before["dev_shm"]
+
+
+def test_every_public_name_is_in_the_api_reference():
+    import torchrl_batchserve
+
+    reference = (ROOT / "docs" / "api.md").read_text()
+    missing = [name for name in torchrl_batchserve.__all__ if f"::: torchrl_batchserve.{name}\n" not in reference]
+    assert not missing, f"docs/api.md lacks {missing}"
+    for module in ("torchrl_batchserve.mcts", "torchrl_batchserve.config"):
+        assert f"::: {module}\n" in reference
+
+
+def test_every_docs_page_is_in_the_site_navigation():
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+
+    def pages(entries):
+        for entry in entries:
+            for value in entry.values():
+                yield from pages(value) if isinstance(value, list) else [value]
+
+    assert sorted(pages(nav)) == sorted(p.name for p in (ROOT / "docs").glob("*.md"))

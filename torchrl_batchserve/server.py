@@ -169,7 +169,8 @@ class BatchedPolicyServer(TensorDictModule):
             callers get :class:`~torchrl_batchserve.errors.ForwardTimeoutError`
             and the server is broken (a stuck thread cannot be stopped).
             Default: no limit.
-        in_keys, out_keys: for a plain ``nn.Module`` policy.
+        in_keys: the input keys of a plain ``nn.Module`` policy.
+        out_keys: the output keys of a plain ``nn.Module`` policy.
 
     Examples:
         >>> import torch

@@ -53,7 +53,9 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
 
     Keyword Args:
         server: a server in this process.
-        address, port, world_size: the weight group's rendezvous.
+        address: the weight group's rendezvous address.
+        port: its port.
+        world_size: the processes in the group (this trainer and the servers).
         timeout: seconds each step of a distributed push may take.
 
     ``send(weights)`` takes a policy module, a TensorDict
