@@ -17,8 +17,8 @@ and the policy/value network of ``examples/mcts_selfplay.py``, served by one
   rollouts) at the same simulations per move, colours alternating.
 
 ``--weights`` loads a trained network (``make demo`` saves one as
-``outputs/mcts_selfplay/connect4_server_threads.pt``; that path is the
-default when it exists); without one the strength games use the untrained
+``outputs/mcts_selfplay/<run>/connect4_server_threads.pt``; the newest is the
+default when there is one); without one the strength games use the untrained
 network.
 
     python benchmarks/mcts.py            # writes docs/benchmarks_mcts.md and docs/benchmarks_mcts.png
@@ -47,7 +47,7 @@ import mcts_selfplay as example  # noqa: E402
 from torchrl_batchserve import BatchedPolicyServer  # noqa: E402
 from torchrl_batchserve.mcts import TreeSearch  # noqa: E402
 
-DEFAULT_WEIGHTS = ROOT / "outputs" / "mcts_selfplay" / "connect4_server_threads.pt"
+DEFAULT_WEIGHTS = max((ROOT / "outputs" / "mcts_selfplay").glob("*/connect4_server_threads.pt"), default=None)
 
 
 class FixedCost(torch.nn.Module):
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--games", type=int, default=16, help="strength games per setting")
     parser.add_argument("--simulations", type=int, default=64, help="per move, both measurements")
     parser.add_argument("--forward-ms", type=float, default=5.0, help="the fixed forward cost of the second grid")
-    parser.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS if DEFAULT_WEIGHTS.exists() else None)
+    parser.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS)
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the report and plot go")
     parser.add_argument("--curves", type=Path, nargs="+", help="plot these example results instead, and stop")
     args = parser.parse_args(argv)

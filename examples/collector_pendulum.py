@@ -29,16 +29,18 @@ from __future__ import annotations
 import copy
 import math
 import time
+from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
 from torchrl.collectors import BaseCollector, Collector, MultiAsyncCollector, MultiSyncCollector
 from torchrl.envs import PendulumEnv
 from torchrl.modules import ProbabilisticActor
+from tqdm import tqdm
 
 from torchrl_batchserve.config import build_server
 
@@ -106,6 +108,9 @@ def imitation_steps(
 
 
 def run(cfg: DictConfig) -> dict:
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
     policy = make_policy(cfg)
     trainer = copy.deepcopy(policy)  # the learner's copy; the server serves the other
     versions = [copy.deepcopy(trainer.module[0])]  # its (loc, scale) module at each version, to check the frames
@@ -115,6 +120,7 @@ def run(cfg: DictConfig) -> dict:
         frames, mismatches, rewards, seen = 0, 0, [], []
         states: TensorDictBase | None = None
         start = time.perf_counter()
+        bar = tqdm(total=cfg.total_frames, unit="frame", desc=cfg.collector, disable=not cfg.progress)
         try:
             for batch in collector:
                 batch = batch.reshape(-1)
@@ -132,19 +138,38 @@ def run(cfg: DictConfig) -> dict:
                 imitation_steps(trainer, optimizer, states, cfg)
                 versions.append(copy.deepcopy(trainer.module[0]))
                 collector.update_policy_weights_(trainer)  # served from the server's next batch on
+                bar.update(batch.numel())
+                bar.set_postfix(reward=f"{rewards[-1]:.2f}", version=server.policy_version)
         finally:
+            bar.close()
             collector.shutdown()
         elapsed = time.perf_counter() - start
         stats = server.statistics()
     print(
         f"{cfg.collector} with {cfg.workers if cfg.collector != 'Collector' else 1} worker process(es): "
         f"{frames} frames in {elapsed:.1f} s ({frames / elapsed:,.0f} frames/s), "
-        f"mean batch {stats.mean_batch_size:.1f} requests; {mismatches} stored locs differ from the trainer's policy"
+        f"mean batch {stats.mean_batch_size:.1f} rows; {mismatches} stored locs differ from the trainer's policy"
     )
     print(f"policy versions per collected batch: {seen}")
     print("mean reward per frame, batch by batch: " + " ".join(f"{r:.1f}" for r in rewards))
     print(stats.summary())
+    plot(rewards, out_dir / "reward.png")
+    print(f"reward curve and config in {out_dir}")
     return {"frames": frames, "mismatches": mismatches, "versions": seen, "rewards": rewards, "statistics": stats}
+
+
+def plot(rewards: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(rewards) + 1), rewards, marker="o")
+    ax.set(xlabel="collected batch", ylabel="mean reward per frame", title="Pendulum: imitation through one server")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 @hydra.main(config_path="../conf", config_name="collector_pendulum", version_base=None)

@@ -502,6 +502,7 @@ def run(cfg: DictConfig) -> dict:
     buffer = ReplayBuffer(storage=LazyTensorStorage(cfg.train.buffer_size), batch_size=cfg.train.batch_size)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)  # next to the results it produced
     evals, history, games_played = Counter(), [], 0
     total_games = cfg.rounds * cfg.games_per_round
     bar = tqdm(total=total_games, desc=f"{cfg.game} self-play", unit="game", disable=not cfg.progress)

@@ -10,6 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import torchrl_batchserve.config  # noqa: F401  (registers server/batchserve, which the shipped configs extend)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,7 +49,9 @@ def test_padded_server_config_serves_variable_lengths():
     from torchrl_batchserve import LengthCost, PadCollate
     from torchrl_batchserve.config import build_server
 
-    cfg = OmegaConf.load(ROOT / "conf" / "server" / "padded.yaml")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="server/padded").server  # it extends server/batchserve
+    assert cfg.timeout == 0.002 and cfg.name == "server"  # the schema's fields, filled in
     policy = TensorDictModule(lambda tokens, mask: tokens * 2, in_keys=["tokens", "mask"], out_keys=["logits"])
     with build_server(cfg, policy) as server:
         assert isinstance(server.collate, PadCollate) and server.max_batch_cost == 4096
@@ -78,7 +82,9 @@ def test_a_server_config_gives_the_input_layout(node):
         with pytest.raises(BadRequestError, match=r"key 'observation': expected feature shape \(8,\)"):
             server.submit(TensorDict(observation=torch.zeros(5)))  # refused from the first request on
         assert server.submit(TensorDict(observation=torch.zeros(8))).result(10)["logits"].shape == (2,)
-    with pytest.raises(ValueError, match="input_spec entry 'observation': dtype must name a torch dtype, got 'float23'"):
+    with pytest.raises(
+        ValueError, match="input_spec entry 'observation': dtype must name a torch dtype, got 'float23'"
+    ):
         build_server(OmegaConf.create({"input_spec": {"observation": {"shape": [8], "dtype": "float23"}}}), policy)
 
 
@@ -104,17 +110,19 @@ def _load(folder: str, name: str):
     return __import__(name)
 
 
-def test_collector_example_smoke():
+def test_collector_example_smoke(tmp_path):
     collector_pendulum = _load("examples", "collector_pendulum")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(
             config_name="collector_pendulum",
-            overrides=["workers=2", "frames_per_batch=64", "total_frames=192", "train_steps=2"],
+            overrides=["workers=2", "frames_per_batch=64", "total_frames=192", "train_steps=2", "progress=false"]
+            + [f"out_dir={tmp_path}"],
         )
     result = collector_pendulum.run(cfg)
     assert result["mismatches"] == 0 and result["frames"] == 192
     assert result["versions"] == [[0], [1], [2]]  # each rollout served with the weights pushed after the last
     assert result["statistics"].failed_batches == 0
+    assert (tmp_path / "reward.png").exists() and (tmp_path / "config.yaml").exists()
 
 
 def test_actors_demo_smoke():
@@ -166,6 +174,17 @@ def test_weights_benchmark_quick_smoke(tmp_path):
     assert (tmp_path / "benchmarks_weights_quick.md").exists()
 
 
+def test_tuning_benchmark_quick_smoke(tmp_path):
+    rows = _load("benchmarks", "tuning").main(["--quick", "--out", str(tmp_path)])
+    assert {(r["mode"], r["max_batch_size"], r["timeout"]) for r in rows} == {
+        (mode, size, timeout)
+        for mode in ("threads", "tasks", "processes")
+        for size, timeout in ((8, 0.002), (64, 0.002), (64, 0.0005))
+    }
+    assert all(r["rps"] > 0 and 1 <= r["batch"] <= r["max_batch_size"] for r in rows)
+    assert (tmp_path / "tuning_curves_quick.md").exists() and (tmp_path / "tuning_curves_quick.png").exists()
+
+
 def test_mcts_benchmark_quick_smoke(tmp_path):
     bench = _load("benchmarks", "mcts")
     out = bench.main(["--quick", "--out", str(tmp_path)])
@@ -209,3 +228,48 @@ def test_every_docs_page_is_in_the_site_navigation():
                 yield from pages(value) if isinstance(value, list) else [value]
 
     assert sorted(pages(nav)) == sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+
+
+def test_ppo_recipe_smoke(tmp_path):
+    ppo_pendulum = _load("examples", "ppo_pendulum")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(
+            config_name="ppo_pendulum",
+            overrides=[
+                "collector.num_workers=2",
+                "collector.frames_per_batch=400",
+                "collector.total_frames=1200",
+                "ppo.epochs=1",
+                "progress=false",
+                f"out_dir={tmp_path}",
+            ],
+        )
+    result = ppo_pendulum.run(cfg)
+    assert [h["versions"] for h in result["history"]] == [[0], [1], [2]]  # each iteration's push was served
+    assert result["frames"] == 1200 and result["statistics"]["requests"] > 0
+    assert (tmp_path / "reward.png").exists() and (tmp_path / "config.yaml").exists()
+    assert (tmp_path / "result.json").exists() and list(tmp_path.rglob("*.csv"))  # the statistics, per iteration
+
+
+def test_ppo_recipe_measures_frames_per_second(tmp_path):
+    ppo_pendulum = _load("examples", "ppo_pendulum")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(
+            config_name="ppo_pendulum",
+            overrides=[
+                "measure=true",
+                "measure_frames=1600",
+                "collector.num_workers=2",
+                "collector.frames_per_batch=400",
+                f"out_dir={tmp_path}",
+            ],
+        )
+    result = ppo_pendulum.run(cfg)
+    assert set(result) == {
+        "MultiSyncCollector, one server",
+        "server mean batch",
+        "MultiSyncCollector, a policy copy per worker",
+        "AsyncBatchedCollector (TorchRL's server), transport='driver'",
+        "AsyncBatchedCollector (TorchRL's server), transport='auto'",
+    }
+    assert all(v > 0 for v in result.values())

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # kept: spawned searcher processes import the example too
@@ -90,6 +91,7 @@ def test_selfplay_smoke(tmp_path, overrides):
     assert all(0.0 <= h["vs_random"] <= 1.0 and 0.0 <= h["vs_mcts"] <= 1.0 for h in result["history"])
     saved = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert saved["games"] == 8 and next(tmp_path.glob("*.png")).stat().st_size > 0
+    assert OmegaConf.load(tmp_path / "config.yaml").games_at_once == cfg.games_at_once  # the run's config, saved
     if not cfg.no_server:
         # games of round r were evaluated by version r: pushed weights reached the searchers
         assert result["game_versions"] == [[0]] * 4 + [[1]] * 4
