@@ -531,11 +531,11 @@ def test_a_client_with_the_wrong_key_is_refused_and_the_hub_keeps_accepting():
 def test_a_worker_of_a_server_process_that_dies_gets_broken_error_while_a_later_child_lives(method):
     # A process the server starts after a worker connected must not hold the hub's end
     # of that worker's socket, or the worker would never see the server die.
-    results, ready = SPAWN.Queue(), SPAWN.Event()
-    host = SPAWN.Process(target=pw.host_forking_workers, args=(method, results, ready))
+    results, info, ready = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Event()
+    host = SPAWN.Process(target=pw.host_forking_workers, args=(method, results, info, ready))
     host.start()
     assert ready.wait(120), "the host never had its worker waiting"
-    _, bystander = report(results, [host])
+    _, bystander = report(info, [host])
     try:
         pw.kill(host.pid)
         kind, message = report(results, [], timeout=90)
