@@ -298,3 +298,20 @@ def test_a_replica_whose_forward_raises_fails_only_its_batch():
     with torch.no_grad():
         for td in outs:
             torch.testing.assert_close(td["logits"], net(td["observation"]))
+
+
+def test_the_server_given_to_a_multiprocess_collector_is_refused_with_our_advice_and_serves_on():
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.envs import PendulumEnv
+
+    policy = TensorDictModule(PendulumPolicy(), in_keys=["th", "thdot"], out_keys=["action"])
+    kw = {"frames_per_batch": 16, "total_frames": 32, "auto_register_policy_transforms": False}
+    with BatchedPolicyServer(policy, max_batch_size=8) as server:
+        with pytest.raises(RuntimeError) as info:
+            MultiSyncCollector([PendulumEnv] * 2, server, **kw)
+        cause = info.value.__cause__  # TorchRL chains the TypeError it got while starting a worker
+        assert isinstance(cause, TypeError) and "server.remote_policy()" in str(cause)
+        # (TorchRL 0.14.1 leaves the parameters of the policy it failed to send on the meta device;
+        # the server serves its own copy, so serving goes on.)
+        td = server.remote_policy()(TensorDict(th=torch.zeros(()), thdot=torch.zeros(())))
+        assert td["action"].shape == (1,)

@@ -299,8 +299,10 @@ class BatchedPolicyServer(TensorDictModule):
     def __reduce__(self) -> tuple:
         # A multi-process collector would pickle the server and sync its parameters into
         # the workers' copies: only its RemotePolicy travels, and holds no weights.
+        # "cannot pickle" in the message: TorchRL's multi-process collectors re-raise a TypeError
+        # that says so (chained), and silently drop any other one from a worker's start.
         raise TypeError(
-            "a BatchedPolicyServer cannot be pickled or copied; give worker processes (e.g. MultiSyncCollector) "
+            "cannot pickle or copy a BatchedPolicyServer; give worker processes (e.g. MultiSyncCollector) "
             "server.remote_policy() as their policy: it pickles, and reaches this server from there"
         )
 
