@@ -351,3 +351,26 @@ def test_leaf_requests_are_fresh_tensordicts_of_the_observation_keys():
     assert seen and all(keys == {"board"} for keys in seen)
     assert set(tree.root.state.keys()) == {"board", "turn", "mask"}  # the policy's writes never reach the tree
     assert isinstance(tree.root.state, TensorDict)
+
+
+@pytest.mark.parametrize("mode", ["threads", "asyncio"])
+def test_a_failed_root_evaluation_is_a_search_error_on_both_paths(mode):
+    env = TicTacToeEnv()
+
+    class Failing:
+        in_keys = ["board"]
+
+        def __call__(self, td):
+            raise ValueError("no evaluation")
+
+        async def acall(self, td):
+            raise ValueError("no evaluation")
+
+    search = TreeSearch(env, Failing(), searchers=4)
+    tree = search.tree(env.reset())
+    with pytest.raises(SearchError, match="the root's evaluation failed") as info:
+        if mode == "threads":
+            search.run(tree, 8)
+        else:
+            asyncio.run(search.arun(tree, 8))
+    assert isinstance(info.value.__cause__, ValueError) and tree.root.priors is None

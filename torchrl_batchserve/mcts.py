@@ -371,7 +371,13 @@ class TreeSearch:
                 every walk in flight finished, and the tree holds the walks
                 that completed.
         """
-        priors = self._start(tree, simulations, noise, lambda td: self.policy(td))
+        request = self._check(tree, simulations)
+        with torch.no_grad():
+            try:
+                out = None if request is None else self.policy(request)
+            except Exception as err:
+                raise SearchError(f"the root's evaluation failed: {err!r}") from err
+        priors = self._begin(tree, out, noise)
         run = _Run(simulations)
         helpers = []
         try:
@@ -391,8 +397,12 @@ class TreeSearch:
         acall = getattr(self.policy, "acall", None)
         if acall is None:
             raise TypeError(f"arun needs a policy with acall (a RemotePolicy); got {type(self.policy).__name__}")
-        out = await acall(tree.root.state.select(*self.observation_keys)) if tree.root.priors is None else None
-        priors = self._start(tree, simulations, noise, lambda td: out)
+        request = self._check(tree, simulations)
+        try:
+            out = None if request is None else await acall(request)
+        except Exception as err:
+            raise SearchError(f"the root's evaluation failed: {err!r}") from err
+        priors = self._begin(tree, out, noise)
         run = _Run(simulations)
 
         async def searcher() -> None:
@@ -420,25 +430,21 @@ class TreeSearch:
             tree.root.priors = priors
         return self._result(tree, run, temperature)
 
-    def _start(self, tree: Tree, simulations: int, noise: bool, call: Callable) -> list[float]:
-        """Check the run, expand the root if need be and add the noise; the root's own priors."""
+    def _check(self, tree: Tree, simulations: int) -> TensorDictBase | None:
+        """Refuse a run that cannot be searched; the root's request when it is not expanded yet."""
         if not isinstance(simulations, int) or isinstance(simulations, bool) or simulations < 1:
             raise ValueError(f"simulations must be an int >= 1 (got {simulations!r})")
         root = tree.root
         if root.terminal is not None or not any(root.legal):
             raise ValueError("the root is a finished game: there is nothing to search")
-        with tree.lock:
-            expanded = root.priors is not None
-        if not expanded:
-            try:
-                with torch.no_grad():
-                    logits, _ = self._read(call(root.state.select(*self.observation_keys)), 1)
-            except SearchError:
-                raise
-            except Exception as err:
-                raise SearchError(f"the root's evaluation failed: {err!r}") from err
-            with tree.lock:
-                root.priors = self._priors(logits[0], root.legal)
+        return root.state.select(*self.observation_keys) if root.priors is None else None
+
+    def _begin(self, tree: Tree, out: TensorDictBase | None, noise: bool) -> list[float]:
+        """Expand the root from ``out`` (its evaluation, if it needed one) and add the noise; its own priors."""
+        root = tree.root
+        if out is not None:
+            logits, _ = self._read(out, 1)
+            root.priors = self._priors(logits[0], root.legal)
         priors = root.priors
         assert priors is not None
         if noise:

@@ -156,7 +156,8 @@ class StatisticsRecorder:
 
     def __init__(self, max_batch_size: int = 0, timeout: float = 0.0, window: int = 4096) -> None:
         self._max_batch_size, self._timeout = max_batch_size, timeout
-        self._advice = [0, 0, 0, -ADVICE_INTERVAL]  # batches, timeout-fired, rows since the last look; when logged
+        self._looked_batches = self._looked_timeouts = self._looked_rows = 0  # since the last look
+        self._advised_at = -ADVICE_INTERVAL
         self._lock = threading.Lock()
         self._started = time.monotonic()
         self._requests = 0
@@ -192,19 +193,18 @@ class StatisticsRecorder:
 
     def _look(self, rows: int, reason: str) -> str | None:
         """Count this batch for the tuning advice; the advice when it is due (under the lock)."""
-        seen = self._advice
-        seen[0] += 1
-        seen[1] += reason == "timeout"
-        seen[2] += rows
-        if seen[0] < ADVICE_BATCHES:
+        self._looked_batches += 1
+        self._looked_timeouts += reason == "timeout"
+        self._looked_rows += rows
+        if self._looked_batches < ADVICE_BATCHES:
             return None
-        batches, on_timeout, rows_seen = seen[:3]
-        seen[:3] = [0, 0, 0]
-        mean = rows_seen / batches
+        batches, on_timeout = self._looked_batches, self._looked_timeouts
+        mean = self._looked_rows / batches
+        self._looked_batches = self._looked_timeouts = self._looked_rows = 0
         now = time.monotonic()
-        if on_timeout < 0.9 * batches or mean > self._max_batch_size / 4 or now - seen[3] < ADVICE_INTERVAL:
+        if on_timeout < 0.9 * batches or mean > self._max_batch_size / 4 or now - self._advised_at < ADVICE_INTERVAL:
             return None
-        seen[3] = now
+        self._advised_at = now
         return (
             f"most batches fire on the timeout far below max_batch_size: of the last {batches}, "
             f"{on_timeout / batches:.0%} waited the full timeout={self._timeout * 1e3:g} ms and carried "
