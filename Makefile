@@ -9,7 +9,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,bench,dev,docs]"
+	$(BIN)/pip install -q -e ".[test,bench,dev,docs,ray]"
 	touch $@
 
 .PHONY: demo demo-actors test lint docs bench bench-quick
@@ -27,8 +27,10 @@ lint: $(VENV)/.installed
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
+# The suite runs in a private network namespace whose only address is 127.0.0.1
+# (tools/loopback-only), so that the Ray tests' cluster listens on loopback only.
 test: lint docs
-	$(BIN)/python -m pytest
+	tools/loopback-only $(BIN)/python -m pytest
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/run.py

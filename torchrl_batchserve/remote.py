@@ -71,14 +71,8 @@ class RemotePolicy(TensorDictModuleBase):
         return await self._endpoint.acall(tensordict)
 
     def __reduce__(self) -> tuple:
-        address, authkey, keys = self._endpoint.process_address()
-        return _from_address, (address, authkey, keys, self.in_keys, self.out_keys)
+        # The endpoint pickles as what reaches the server from elsewhere (a process client, a Ray client).
+        return RemotePolicy, (self._endpoint, self.in_keys, self.out_keys)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(in_keys={self.in_keys}, out_keys={self.out_keys})"
-
-
-def _from_address(address: str, authkey: bytes, keys: list, in_keys: list, out_keys: list) -> RemotePolicy:
-    from torchrl_batchserve.transport.client import ProcessClient
-
-    return RemotePolicy(ProcessClient(address, authkey, keys), in_keys, out_keys)

@@ -388,9 +388,15 @@ class BatchedPolicyServer(TensorDictModule):
         """A :class:`~torchrl_batchserve.RemotePolicy` served by this server."""
         return RemotePolicy(self._endpoint, self.in_keys, self.out_keys)
 
-    def submit(self, tensordict: TensorDictBase) -> Future[TensorDictBase]:
-        """Shortcut for ``server.remote_policy().submit(tensordict)``."""
-        return self._endpoint.submit(tensordict)
+    def submit(self, tensordict: TensorDictBase, *, caller: Any = None) -> Future[TensorDictBase]:
+        """Shortcut for ``server.remote_policy().submit(tensordict)``.
+
+        ``caller`` names who waits on the result, for the batching rule's
+        ``all_waiting`` (default: the calling thread). A relay that submits
+        for others from a pool of threads (a node's gateway) passes its own
+        name, so that its requests count as one caller's.
+        """
+        return self._endpoint.submit(tensordict, caller)
 
     # -- weights and statistics ----------------------------------------------------
 
@@ -399,7 +405,7 @@ class BatchedPolicyServer(TensorDictModule):
         """The version of the newest weights staged: every batch from now on runs with it or a newer one."""
         return self._weights.latest_version
 
-    def update_weights(self, weights: Any = None) -> int:
+    def update_weights(self, weights: Any = None, *, version: int | None = None) -> int:
         """Stage new weights; every replica serves them from its next batch on. Returns their version.
 
         ``weights`` is a TensorDict (``TensorDict.from_module(policy)``), a
@@ -409,9 +415,10 @@ class BatchedPolicyServer(TensorDictModule):
         :class:`~torchrl_batchserve.errors.WeightSyncError` and the current
         weights keep serving. The copy is made here, in the caller's thread,
         from tensors it only reads (a trainer's autograd is not disturbed);
-        the serve loops only swap it in between two batches.
+        the serve loops only swap it in between two batches. ``version``
+        numbers the push (it must exceed the current one; default: the next).
         """
-        return self._weights.stage(self.module if weights is None else weights)
+        return self._weights.stage(self.module if weights is None else weights, version)
 
     def receive_weights(
         self, address: str, port: int, rank: int, world_size: int, *, timeout: float = 60.0

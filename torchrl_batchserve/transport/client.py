@@ -85,6 +85,9 @@ class ProcessClient:
         """Where another copy connects (a copy of a copy is a client of the same server)."""
         return self.address, self.authkey, self.in_keys
 
+    def __reduce__(self) -> tuple:
+        return ProcessClient, self.process_address()
+
     def _connection(self) -> Wire:
         if self._closed:
             raise ServerClosedError("the server is closed and accepts no more requests")

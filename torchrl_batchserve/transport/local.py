@@ -55,6 +55,11 @@ class LocalEndpoint:
             self._address = self._connect()
         return self._address
 
+    def __reduce__(self) -> tuple:
+        from torchrl_batchserve.transport.client import ProcessClient
+
+        return ProcessClient, self.process_address()
+
     def _here(self) -> bool:
         return os.getpid() == self._pid
 
@@ -78,11 +83,13 @@ class LocalEndpoint:
             self._serve_inline(taken)
         return request.wait(self._is_alive)
 
-    def submit(self, td: TensorDictBase) -> Future[TensorDictBase]:
-        """Enqueue ``td``; the Future resolves to ``td`` with its outputs written."""
+    def submit(self, td: TensorDictBase, caller: Any = None) -> Future[TensorDictBase]:
+        """Enqueue ``td``; the Future resolves to ``td`` with its outputs written (``caller``: default, this thread)."""
         if not self._here():
             return self._other_process().submit(td)
-        request: FutureRequest = self._intake.request(FutureRequest, td, threading.get_ident())
+        if caller is None:
+            caller = threading.get_ident()
+        request: FutureRequest = self._intake.request(FutureRequest, td, caller)
         self._intake.put(request)
         return request.future
 

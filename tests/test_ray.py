@@ -1,0 +1,311 @@
+"""torchrl_batchserve.ray on a local three-node Ray cluster: one node serving, two with actors.
+
+Ray listens on loopback only here: the tests run inside a private network
+namespace (``tools/loopback-only``, which ``make test`` uses) and skip,
+saying so, outside one. One cluster serves the whole module.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+
+ray = pytest.importorskip("ray")
+from ray import cloudpickle  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from torchrl_batchserve.errors import ServerBrokenError, WeightSyncError  # noqa: E402
+from torchrl_batchserve.ray import RayServer, serve_on_ray  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(
+        [name for _, name in socket.if_nameindex()] != ["lo"],
+        reason="Ray tests run in a loopback-only network namespace: tools/loopback-only python -m pytest (make test)",
+    ),
+    pytest.mark.timeout(300),
+]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import the tests folder
+
+SERVER = {"server": 0.01}  # the head node
+NODE_A = {"node_a": 1}
+NODE_B = {"node_b": 1}
+
+
+def factory(seed: int = 0) -> TensorDictModule:
+    torch.manual_seed(seed)
+    return TensorDictModule(torch.nn.Linear(4, 3), in_keys=["obs"], out_keys=["act"])
+
+
+def reference(weights: TensorDict | None, x: torch.Tensor) -> torch.Tensor:
+    net = factory()
+    if weights is not None:
+        weights.to_module(net)
+    with torch.no_grad():
+        return net(TensorDict(obs=x))["act"]
+
+
+def observation(actor: int, i: int) -> torch.Tensor:
+    return torch.arange(4, dtype=torch.float32) * (actor + 1) + i
+
+
+class SlowLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.2)
+        return self.linear(x)
+
+
+class PendulumNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.stack([th, thdot], -1))
+
+
+def slow_factory() -> TensorDictModule:
+    return TensorDictModule(SlowLinear(), in_keys=["obs"], out_keys=["act"])
+
+
+@ray.remote(num_cpus=0)
+class Actor:
+    """An actor on a node of its own: calls the policy and reports what it got."""
+
+    def __init__(self, remote, index: int) -> None:
+        self.remote = remote
+        self.index = index
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def calls(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        out = []
+        for i in range(n):
+            x = observation(self.index, i)
+            td = self.remote(TensorDict(obs=x))
+            out.append((x, td["act"], int(td["policy_version"])))
+        return out
+
+    def concurrent(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        xs = [observation(self.index, i) for i in range(n)]
+        futures = [self.remote.submit(TensorDict(obs=x)) for x in xs]
+        return [(x, f.result(timeout=60)["act"]) for x, f in zip(xs, futures)]
+
+    def until_error(self, seconds: float) -> tuple[str, float]:
+        """Call until a call fails; the error's class and when it came."""
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            try:
+                self.remote(TensorDict(obs=torch.ones(4)))
+            except Exception as err:  # the class is what the test checks
+                return type(err).__name__, time.time()
+        return "none", time.time()
+
+    def collect(self, frames: int) -> tuple[int, list[int]]:
+        from torchrl.collectors import Collector
+        from torchrl.envs import PendulumEnv
+
+        collector = Collector(
+            PendulumEnv, self.remote, frames_per_batch=frames, total_frames=frames, auto_register_policy_transforms=False
+        )
+        try:
+            batch = next(iter(collector))
+        finally:
+            collector.shutdown()
+        return batch.numel(), batch["policy_version"].unique().tolist()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"server": 1}})
+    cluster.add_node(num_cpus=1, resources={"node_a": 100})
+    cluster.add_node(num_cpus=1, resources={"node_b": 100})
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _listening() -> list[str]:
+    """The local addresses of every listening TCP socket of this network namespace."""
+    found = []
+    for path, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A":  # LISTEN
+                    found.append(local.split(":")[0].rjust(width, "0"))
+    return found
+
+
+def _loopback(hex_address: str) -> bool:
+    raw = bytes.fromhex(hex_address)
+    if len(raw) == 4:
+        return raw[::-1][0] == 127  # /proc writes IPv4 in host (little-endian) order
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))  # four host-order words
+    return words == bytes(15) + b"\x01" or (words[:12] == bytes(10) + b"\xff\xff" and words[12] == 127)
+
+
+def test_ray_listens_on_loopback_only(cluster):
+    addresses = _listening()
+    assert addresses, "the cluster listens somewhere"
+    assert all(_loopback(a) for a in addresses), [a for a in addresses if not _loopback(a)]
+
+
+def test_actors_on_two_nodes_and_the_driver_get_exact_results(cluster):
+    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.002)
+    try:
+        remote = handle.remote_policy()
+        actors = [Actor.options(resources=(NODE_A, NODE_B)[i % 2]).remote(remote, i) for i in range(4)]
+        nodes = ray.get([a.node.remote() for a in actors])
+        assert len(set(nodes)) == 2 and ray.get_runtime_context().get_node_id() not in nodes
+        results = ray.get([a.calls.remote(25) for a in actors])
+        results.append([(x, act, 0) for x, act in ray.get(actors[1].concurrent.remote(8))])  # submit, 8 in flight
+        here = [(x, remote(TensorDict(obs=x))["act"], 0) for x in (observation(9, i) for i in range(5))]
+        for x, act, version in [row for rows in results for row in rows] + here:
+            assert version == 0
+            torch.testing.assert_close(act, reference(None, x))
+        stats = handle.statistics()
+        assert stats.rows == 4 * 25 + 8 + 5
+    finally:
+        assert handle.close()
+
+
+def test_each_gateway_batch_reaches_the_server_as_one_request(cluster):
+    # No request pays a Ray call or a trip of its own: what reaches the server from the other
+    # nodes is exactly their gateways' batches, rows for rows.
+    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.01)
+    try:
+        remote = handle.remote_policy()
+        actors = [Actor.options(resources=(NODE_A, NODE_B)[i % 2]).remote(remote, i) for i in range(6)]
+        ray.get([a.calls.remote(20) for a in actors])
+        stats, gateways = handle.statistics(), handle.gateway_statistics()
+        assert len(gateways) == 2
+        assert sum(g.batches for g in gateways.values()) == stats.requests
+        assert sum(g.rows for g in gateways.values()) == stats.rows == 6 * 20
+        assert all(g.requests == 3 * 20 for g in gateways.values())
+    finally:
+        handle.close()
+
+
+def test_versions_are_exact_across_pushes_and_a_bad_push_changes_nothing(cluster):
+    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.002)
+    try:
+        remote = handle.remote_policy()
+        actors = [Actor.options(resources=(NODE_A, NODE_B)[i % 2]).remote(remote, i) for i in range(2)]
+        ray.get([a.calls.remote(1) for a in actors])
+        pushed = {0: None}
+        running = [a.calls.remote(60) for a in actors]
+        for version in range(1, 6):
+            weights = TensorDict.from_module(factory(seed=version)).data.clone()
+            assert handle.update_weights(weights) == version
+            pushed[version] = weights
+            time.sleep(0.05)
+        bad = TensorDict(weight=torch.zeros(3, 5), bias=torch.zeros(3))
+        with pytest.raises(WeightSyncError, match="weight"):
+            handle.update_weights(bad)
+        for rows in ray.get(running):
+            versions = [v for _, _, v in rows]
+            assert versions == sorted(versions)
+            for x, act, version in rows:
+                torch.testing.assert_close(act, reference(pushed[version], x))
+        after = ray.get(actors[0].calls.remote(3))
+        assert all(v == 5 for _, _, v in after)
+        for x, act, _ in after:
+            torch.testing.assert_close(act, reference(pushed[5], x))
+        # A handle pickled elsewhere (a trainer on another node) pushes to the same server.
+        copy = cloudpickle.loads(cloudpickle.dumps(handle))
+        assert isinstance(copy, RayServer) and copy.update_weights(pushed[5]) == 6
+    finally:
+        handle.close()
+
+
+def test_a_collector_on_an_actor_node_collects_through_the_ray_served_policy(cluster):
+    def pendulum_policy() -> TensorDictModule:
+        return TensorDictModule(PendulumNet(), in_keys=["th", "thdot"], out_keys=["action"])
+
+    handle = serve_on_ray(pendulum_policy, num_cpus=0, resources=SERVER, max_batch_size=8)
+    try:
+        actor = Actor.options(resources=NODE_B).remote(handle.remote_policy(), 0)
+        frames, versions = ray.get(actor.collect.remote(32))
+        assert frames == 32 and versions == [0]
+        assert handle.statistics().rows >= 32
+    finally:
+        handle.close()
+
+
+def test_the_server_serves_on_when_a_node_with_actors_dies(cluster):
+    node = cluster.add_node(num_cpus=1, resources={"node_c": 100})
+    cluster.wait_for_nodes()
+    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.002)
+    try:
+        remote = handle.remote_policy()
+        doomed = Actor.options(resources={"node_c": 1}).remote(remote, 0)
+        survivor = Actor.options(resources=NODE_A).remote(remote, 1)
+        ray.get([doomed.calls.remote(3), survivor.calls.remote(3)])
+        running = doomed.until_error.remote(60)
+        cluster.remove_node(node)
+        with pytest.raises(ray.exceptions.RayError):
+            ray.get(running, timeout=60)
+        for x, act, _ in ray.get(survivor.calls.remote(10)):
+            torch.testing.assert_close(act, reference(None, x))
+    finally:
+        handle.close()
+
+
+def test_a_dead_server_actor_fails_every_waiting_actor_promptly(cluster):
+    handle = serve_on_ray(slow_factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.002)
+    actors = [Actor.options(resources=(NODE_A, NODE_B)[i % 2]).remote(handle.remote_policy(), i) for i in range(2)]
+    ray.get([a.calls.remote(1) for a in actors])
+    running = [a.until_error.remote(120) for a in actors]
+    while handle.statistics().batches < 4:  # both are calling
+        time.sleep(0.05)
+    killed = time.time()
+    ray.kill(handle.actor, no_restart=True)
+    for name, when in ray.get(running, timeout=120):
+        assert name == "ServerBrokenError"
+        assert when - killed < 30
+    with pytest.raises(ServerBrokenError):
+        handle.remote_policy()(TensorDict(obs=torch.ones(4)))
+
+
+def test_a_restarted_server_is_found_again_and_serves_after_the_next_push(cluster):
+    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_restarts=1, max_batch_size=16, timeout=0.002)
+    try:
+        remote = handle.remote_policy()
+        actor = Actor.options(resources=NODE_A).remote(remote, 0)
+        pushed = TensorDict.from_module(factory(seed=7)).data.clone()
+        assert handle.update_weights(pushed) == 1
+        assert {v for _, _, v in ray.get(actor.calls.remote(3))} == {1}
+        ray.kill(handle.actor, no_restart=False)  # Ray restarts it from the factory
+        name, _ = ray.get(actor.until_error.remote(60))
+        assert name == "ServerBrokenError"  # its gateway went with the old server
+        with pytest.raises(ServerBrokenError, match="restarted"):
+            remote(TensorDict(obs=torch.ones(4)))  # the factory's weights are not served
+        assert handle.update_weights(pushed) == 2  # versions go on from the handle's last push
+        for x, act, version in ray.get(actor.calls.remote(5)) + [
+            (x, remote(TensorDict(obs=x))["act"], 2) for x in [torch.ones(4)]
+        ]:
+            assert version == 2
+            torch.testing.assert_close(act, reference(pushed, x))
+    finally:
+        handle.close()
+
+
+def test_serve_on_ray_refuses_bad_arguments(cluster):
+    with pytest.raises(ValueError, match="gateway_depth"):
+        serve_on_ray(factory, gateway_depth=0)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=0)

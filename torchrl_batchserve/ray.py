@@ -1,0 +1,505 @@
+"""Serving actors on every node of a Ray cluster (the only module that imports Ray).
+
+::
+
+    actor on node B --shared memory--> gateway of node B --one Ray call per batch--> server actor (node A)
+    actor on node A --shared memory-----------------------------------------------> server actor
+
+:func:`serve_on_ray` starts a :class:`~torchrl_batchserve.BatchedPolicyServer`
+inside a Ray actor. Its :meth:`RayServer.remote_policy` is a
+:class:`~torchrl_batchserve.RemotePolicy` that pickles into any Ray task,
+actor or driver. On first use there it asks the server actor for a policy of
+its own node: on the server's node, the server's own process hub; on any
+other node, the hub of that node's gateway. A gateway is a Ray actor pinned to
+its node (made by the server actor on first demand, so it dies with it) that
+runs a ``BatchedPolicyServer`` of its own, whose "policy" forwards each of its
+batches to the server actor in one Ray call, with the rows' results and
+version stamps coming back the same way. No request pays a Ray call of its
+own: a node's actors reach their gateway through shared memory, and a
+gateway batch costs one call however many rows it carries (``gateway_depth``
+batches of a gateway are in flight at once).
+
+Weights travel through Ray's object store: :meth:`RayServer.update_weights`
+checks the push against the served layout in the pushing process (a mismatch
+raises :class:`~torchrl_batchserve.errors.WeightSyncError` before anything
+moves) and stages it in the server with one version.
+
+Faults: a gateway's node may die (the server serves the others); a server
+actor that dies ends its gateways with it, so every waiting actor gets
+:class:`~torchrl_batchserve.errors.ServerBrokenError` from its socket at once.
+With ``max_restarts``, Ray restarts the server actor from ``policy_factory``:
+it refuses clients until the trainer pushes weights again (the factory's
+weights are not the trainer's), then serves with versions that go on from
+the pushing handle's last one; clients connect again on their next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import pickle
+import secrets
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import TensorDictModuleBase, set_interaction_type
+from tensordict.nn.probabilistic import InteractionType, interaction_type
+
+from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError
+from torchrl_batchserve.remote import RemotePolicy
+from torchrl_batchserve.server import BatchedPolicyServer
+from torchrl_batchserve.stats import ServerStatistics
+from torchrl_batchserve.transport.hub import _portable
+from torchrl_batchserve.weights import as_weights
+
+__all__ = ["RayServer", "serve_on_ray"]
+
+MAX_CONCURRENCY = 32  # the server actor's threads for Ray calls: connects (each may start a gateway), pushes
+CONNECT_TIMEOUT = 120.0  # seconds a client waits for the server actor (a restart included) to give it a policy
+
+
+def serve_on_ray(
+    policy_factory: Callable[[], Any],
+    *,
+    num_gpus: float = 0,
+    resources: dict[str, float] | None = None,
+    num_cpus: float = 1,
+    max_restarts: int = 0,
+    gateway_depth: int = 2,
+    **server_kwargs: Any,
+) -> RayServer:
+    """Start a :class:`~torchrl_batchserve.BatchedPolicyServer` as a Ray actor; return its handle.
+
+    Args:
+        policy_factory: builds the policy in the server actor (a picklable
+            callable: the policy itself is never shipped).
+
+    Keyword Args:
+        num_gpus: GPUs the server actor reserves (``1`` puts it on a GPU node;
+            pass ``device="cuda"`` among ``server_kwargs`` to serve there).
+        resources: custom Ray resources the server actor needs, e.g.
+            ``{"server_node": 1}`` to choose a node.
+        num_cpus: CPUs the server actor reserves.
+        max_restarts: how often Ray may restart a dead server actor (see the
+            module docstring: a restarted server serves after the next push).
+        gateway_depth: batches each node's gateway keeps in flight to the server.
+        server_kwargs: the ``BatchedPolicyServer`` keywords (``max_batch_size``,
+            ``timeout``, ``device``, ...). Gateways batch with the same
+            ``max_batch_size`` and ``timeout``, and stack their requests.
+
+    Needs a connected Ray (``ray.init``) in the calling process.
+    """
+    if not ray.is_initialized():
+        raise RuntimeError("serve_on_ray needs a connected Ray: call ray.init(...) first")
+    if not isinstance(gateway_depth, int) or isinstance(gateway_depth, bool) or gateway_depth < 1:
+        raise ValueError(f"gateway_depth must be an int >= 1 (got {gateway_depth!r})")
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts}
+    if resources:
+        options["resources"] = dict(resources)
+    actor: Any = (
+        ray.remote(_ServerActor)
+        .options(max_concurrency=MAX_CONCURRENCY, **options)
+        .remote(policy_factory, server_kwargs, gateway_depth)
+    )
+    try:
+        described: dict[str, Any] = ray.get(actor.describe.remote(), timeout=CONNECT_TIMEOUT)
+    except RayTaskError as err:
+        ray.kill(actor, no_restart=True)
+        raise _cause(err) from None
+    return RayServer(actor, **described)
+
+
+class RayServer:
+    """The handle of a server running as a Ray actor (:func:`serve_on_ray`); picklable.
+
+    Every copy, on any node, reaches the same server.
+    """
+
+    def __init__(
+        self, actor: Any, *, in_keys: list, out_keys: list, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    ) -> None:
+        self.actor = actor
+        self.in_keys = list(in_keys)
+        self.out_keys = list(out_keys)
+        self._layout = layout
+        self._version = 0  # the newest version this handle pushed or saw
+
+    def __reduce__(self) -> tuple:
+        return _handle, (self.actor, self.in_keys, self.out_keys, self._layout, self._version)
+
+    def remote_policy(self) -> RemotePolicy:
+        """A :class:`~torchrl_batchserve.RemotePolicy` that works in any Ray task, actor or driver."""
+        return RemotePolicy(RayEndpoint(self.actor), self.in_keys, self.out_keys)
+
+    def update_weights(self, weights: Any) -> int:
+        """Push ``weights`` (a module, a TensorDict or a state_dict); return the version they serve as.
+
+        Checked here against the served layout first: a mismatch raises
+        :class:`~torchrl_batchserve.errors.WeightSyncError`, nothing is sent
+        and the server keeps its weights.
+        """
+        if weights is None:
+            raise WeightSyncError(
+                "a Ray-served server has no trainer module in this process to take weights from: pass the weights "
+                "(a module, a TensorDict or a state_dict)"
+            )
+        tensors = as_weights(weights)
+        _check_layout(self._layout, tensors)
+        tensors = tensors.detach().to("cpu")
+        try:
+            self._version = _ask(self.actor, "update_weights", tensors, self._version)
+        except RayTaskError as err:
+            raise _cause(err) from None
+        except RayActorError as err:
+            raise ServerBrokenError(f"the server actor is gone: {err}") from err
+        return self._version
+
+    def weight_sync_scheme(self) -> Any:
+        """A TorchRL ``WeightSyncScheme`` for collectors: ``update_policy_weights_(policy)`` pushes here."""
+        from torchrl_batchserve.weight_sync import BatchServeWeightSyncScheme
+
+        return BatchServeWeightSyncScheme(server=self)
+
+    def statistics(self, since: ServerStatistics | None = None) -> ServerStatistics:
+        """The server's :meth:`~torchrl_batchserve.BatchedPolicyServer.statistics` (a gateway batch: one request)."""
+        return _ask(self.actor, "statistics", since)
+
+    def gateway_statistics(self) -> dict[str, ServerStatistics]:
+        """Each gateway's statistics, by node id: how its node's requests batch before they travel."""
+        return _ask(self.actor, "gateway_statistics")
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Close the server and its gateways, then end its actor; True when the serve loops stopped."""
+        try:
+            stopped = ray.get(self.actor.close.remote(timeout), timeout=timeout + 10)
+        except (RayActorError, GetTimeoutError):
+            stopped = False
+        ray.kill(self.actor, no_restart=True)
+        return stopped
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(in_keys={self.in_keys}, out_keys={self.out_keys})"
+
+
+def _handle(actor: Any, in_keys: list, out_keys: list, layout: dict, version: int) -> RayServer:
+    handle = RayServer(actor, in_keys=in_keys, out_keys=out_keys, layout=layout)
+    handle._version = version
+    return handle
+
+
+def _check_layout(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], weights: TensorDictBase) -> None:
+    given = {".".join(k) if isinstance(k, tuple) else k: v for k, v in weights.items(True, True)}
+    if set(given) != set(layout):
+        missing, extra = sorted(set(layout) - set(given)), sorted(set(given) - set(layout))
+        raise WeightSyncError(f"weights do not match the served policy: missing {missing}, unexpected {extra}")
+    for key, (shape, dtype) in layout.items():
+        value = given[key]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
+            got = f"shape {tuple(value.shape)} and dtype {value.dtype}" if isinstance(value, torch.Tensor) else value
+            raise WeightSyncError(f"weight {key!r}: expected shape {shape} and dtype {dtype}, got {got}")
+
+
+def _ask(actor: Any, method: str, *args: Any) -> Any:
+    """Call ``actor.method(*args)`` and wait for it; while Ray restarts the actor, ask again."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT
+    while True:
+        try:
+            return ray.get(getattr(actor, method).remote(*args), timeout=max(0.0, deadline - time.monotonic()))
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _cause(err: RayTaskError) -> BaseException:
+    """The exception a Ray method raised, out of Ray's wrapper."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
+
+
+class RayEndpoint:
+    """A :class:`~torchrl_batchserve.RemotePolicy`'s endpoint in a Ray process: a client of its node's hub.
+
+    The hub is asked of the server actor on first use in each process (so it
+    pickles anywhere and connects where it is used). When the hub goes away
+    (:class:`~torchrl_batchserve.errors.ServerBrokenError`), the next call
+    asks again: a restarted server actor is found that way.
+    """
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self._lock = threading.Lock()
+        self._local: tuple[int, RemotePolicy] | None = None  # (pid, this node's policy)
+
+    def __reduce__(self) -> tuple:
+        return RayEndpoint, (self.actor,)
+
+    def _policy(self) -> RemotePolicy:
+        with self._lock:
+            if self._local is None or self._local[0] != os.getpid():
+                node = ray.get_runtime_context().get_node_id()
+                try:
+                    policy = _ask(self.actor, "connect", node)
+                except RayTaskError as err:
+                    raise _cause(err) from None
+                except (RayActorError, GetTimeoutError) as err:
+                    raise ServerBrokenError(f"the server actor cannot be reached: {err}") from err
+                self._local = (os.getpid(), policy)
+            return self._local[1]
+
+    def _forget(self, policy: RemotePolicy) -> None:
+        with self._lock:
+            if self._local is not None and self._local[1] is policy:
+                self._local = None
+
+    def call(self, td: TensorDictBase) -> TensorDictBase:
+        policy = self._policy()
+        try:
+            return policy(td)
+        except (ServerBrokenError, ServerClosedError):
+            self._forget(policy)
+            raise
+
+    def submit(self, td: TensorDictBase) -> Future[TensorDictBase]:
+        policy = self._policy()
+        future = policy.submit(td)
+        future.add_done_callback(
+            lambda f: (
+                self._forget(policy)
+                if not f.cancelled() and isinstance(f.exception(), (ServerBrokenError, ServerClosedError))
+                else None
+            )
+        )
+        return future
+
+    async def acall(self, td: TensorDictBase) -> TensorDictBase:
+        policy = await asyncio.to_thread(self._policy) if self._local is None else self._policy()
+        try:
+            return await policy.acall(td)
+        except (ServerBrokenError, ServerClosedError):
+            self._forget(policy)
+            raise
+
+
+class _ServerActor:
+    """The Ray actor that holds the server (threaded: connects and pushes may overlap)."""
+
+    def __init__(self, policy_factory: Callable[[], Any], server_kwargs: dict[str, Any], gateway_depth: int) -> None:
+        context = ray.get_runtime_context()
+        self._failure: BaseException | None = None
+        try:
+            self._server = BatchedPolicyServer(policy_factory(), **server_kwargs)
+        except Exception as err:  # raised by describe(), so serve_on_ray raises it as it is
+            self._failure = err
+            return
+        self._policy = self._server.remote_policy()
+        self._node = context.get_node_id()
+        self._gateway_depth = gateway_depth
+        self._gateways: dict[str, tuple[Any, RemotePolicy]] = {}
+        self._lock = threading.Lock()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Ray's own property calls a deprecated one of Ray's
+            self._waiting_for_weights = bool(context.was_current_actor_reconstructed)
+        version = self._server.policy_version_key
+        self._returned = list(self._server.out_keys) + ([version] if version is not None else [])
+        self._authkey = secrets.token_bytes(16)
+        self._listener = Listener((ray.util.get_node_ip_address(), 0), authkey=self._authkey)
+        threading.Thread(target=self._accept, name="batchserve-ray-accept", daemon=True).start()
+
+    def describe(self) -> dict[str, Any]:
+        if self._failure is not None:
+            raise self._failure
+        served = TensorDict.from_module(self._server.policy)
+        layout = {
+            ".".join(k) if isinstance(k, tuple) else k: (tuple(v.shape), v.dtype) for k, v in served.items(True, True)
+        }
+        return {"in_keys": self._server.in_keys, "out_keys": self._server.out_keys, "layout": layout}
+
+    def connect(self, node: str) -> RemotePolicy:
+        """The policy a client on ``node`` uses: this server's hub here, the node's gateway elsewhere."""
+        if self._waiting_for_weights:
+            raise ServerBrokenError("the server actor was restarted and serves again after the trainer's next push")
+        if self._server.closed:
+            raise ServerClosedError("the server is closed and accepts no more requests")
+        if node == self._node:
+            return self._policy
+        with self._lock:
+            if node not in self._gateways:
+                kwargs = {
+                    "max_batch_size": self._server.max_batch_size,
+                    "timeout": self._server.timeout,
+                    "device": ["cpu"] * self._gateway_depth,  # one serve loop per batch in flight
+                    "policy_version_key": None,  # the server's stamps come through as outputs
+                }
+                link = (self._listener.address, self._authkey)
+                gateway: Any = (
+                    ray.remote(_Gateway)
+                    .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                    .remote(link, self._server.in_keys, self._returned, kwargs)
+                )
+                self._gateways[node] = (gateway, ray.get(gateway.remote_policy.remote()))
+            return self._gateways[node][1]
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return  # closed
+            except Exception:  # a connection that failed the key: drop it
+                continue
+            threading.Thread(target=self._serve_link, args=(conn,), name="batchserve-ray-link", daemon=True).start()
+
+    def _serve_link(self, conn: Connection) -> None:
+        """Serve one gateway's batches, each as one request of its rows, until its connection ends."""
+        caller, send = ("gateway", id(conn)), threading.Lock()
+
+        def reply(seq: int, future: Future) -> None:
+            error = future.exception()
+            outputs = None if error is not None else future.result().select(*self._returned)
+            with send, contextlib.suppress(OSError):
+                _send(conn, (seq, None if error is None else _portable(error), outputs))
+
+        while True:
+            try:
+                seq, batch, interaction = _recv(conn)
+            except (EOFError, OSError):
+                return  # the gateway (or its node) is gone: its replies have nobody to go to
+            try:
+                mode = None if interaction is None else InteractionType(interaction)
+                with set_interaction_type(mode):
+                    future = self._server.submit(batch, caller=caller)
+            except Exception as err:  # refused at once (closed, bad rows): this batch only
+                with send, contextlib.suppress(OSError):
+                    _send(conn, (seq, _portable(err), None))
+                continue
+            future.add_done_callback(functools.partial(reply, seq))
+
+    def update_weights(self, weights: TensorDictBase, after: int) -> int:
+        """Stage a push; its version follows both this server's and the pushing handle's last one."""
+        version = self._server.update_weights(weights, version=max(self._server.policy_version, after) + 1)
+        self._waiting_for_weights = False
+        return version
+
+    def statistics(self, since: ServerStatistics | None) -> ServerStatistics:
+        return self._server.statistics(since)
+
+    def gateway_statistics(self) -> dict[str, ServerStatistics]:
+        with self._lock:
+            gateways = dict(self._gateways)
+        return dict(zip(gateways, ray.get([g.statistics.remote() for g, _ in gateways.values()])))
+
+    def close(self, timeout: float) -> bool:
+        with self._lock:
+            gateways, self._gateways = list(self._gateways.values()), {}
+        for gateway, _ in gateways:
+            ray.kill(gateway, no_restart=True)
+        self._listener.close()
+        return self._server.close(timeout=timeout)
+
+
+def _send(conn: Connection, message: Any) -> None:
+    # Plain pickle: Connection.send's pickler would pass tensors as shared-memory
+    # descriptors, which only work on one host.
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+class _Gateway:
+    """One node's gateway: a server of the node's actors whose batches go on to the server actor."""
+
+    def __init__(self, link: tuple[Any, bytes], in_keys: list, out_keys: list, server_kwargs: dict[str, Any]) -> None:
+        self._link = _Link(*link)
+        self._server = BatchedPolicyServer(_Forward(self._link, in_keys, out_keys), **server_kwargs)
+
+    def remote_policy(self) -> RemotePolicy:
+        return self._server.remote_policy()
+
+    def statistics(self) -> ServerStatistics:
+        return self._server.statistics()
+
+
+class _Link:
+    """A gateway's connection to the server actor: batches out, their outputs back, matched by ``seq``.
+
+    A TCP connection of its own, not Ray calls: a Ray actor call costs about a
+    millisecond of each side's CPU (docs/performance.md). When it ends (the
+    server actor is gone), every batch in flight fails with
+    :class:`~torchrl_batchserve.errors.ServerBrokenError`, and so does every later one.
+    """
+
+    def __init__(self, address: Any, authkey: bytes) -> None:
+        self._conn = Client(address, authkey=authkey)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._waiting: dict[int, Future] = {}
+        self._broken: BaseException | None = None
+        threading.Thread(target=self._read, name="batchserve-ray-link", daemon=True).start()
+
+    def __deepcopy__(self, memo: dict) -> _Link:
+        return self  # one connection, shared by the gateway's serve loops (a copy would close it when dropped)
+
+    def submit(self, batch: TensorDictBase, interaction: str | None) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            self._seq += 1
+            self._waiting[self._seq] = future
+            try:
+                _send(self._conn, (self._seq, batch, interaction))
+            except OSError as err:
+                self._waiting.pop(self._seq)
+                raise ServerBrokenError(f"the connection to the server actor broke: {err}") from err
+        return future
+
+    def _read(self) -> None:
+        while True:
+            try:
+                seq, error, outputs = _recv(self._conn)
+            except (EOFError, OSError) as err:
+                with self._lock:
+                    self._broken = ServerBrokenError(f"the server actor is gone (its connection ended: {err!r})")
+                    waiting, self._waiting = list(self._waiting.values()), {}
+                for future in waiting:
+                    future.set_exception(self._broken)
+                return
+            with self._lock:
+                future = self._waiting.pop(seq)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(outputs)
+
+
+class _Forward(TensorDictModuleBase):
+    """The gateway's policy: its batch to the server actor and back, over the gateway's link."""
+
+    def __init__(self, link: _Link, in_keys: list, out_keys: list) -> None:
+        super().__init__()
+        self.in_keys = list(in_keys)
+        self.out_keys = list(out_keys)
+        self.link = link
+
+    def __deepcopy__(self, memo: dict) -> _Forward:
+        return _Forward(self.link, self.in_keys, self.out_keys)  # no weights: every replica shares the link
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        mode = interaction_type()
+        future = self.link.submit(tensordict.select(*self.in_keys), None if mode is None else mode.value)
+        return tensordict.update(future.result())
