@@ -27,6 +27,7 @@ as much as the gap it was read against.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import statistics
 import time
@@ -57,23 +58,47 @@ _TRANSPORTS: dict[str, Any] = {
 }
 
 
-def worker(call: Any, payload: str, seed: int, calls: int, barrier: Any, results: Any) -> None:
+def worker(calls_of: list, payload: str, seed: int, calls: int, barrier: Any, results: Any) -> None:
+    """Time ``calls`` requests; with several entries in ``calls_of``, as that many asyncio tasks at once.
+
+    Ours: one pickled RemotePolicy, awaited with ``acall`` by every task.
+    TorchRL's clients have one request in flight each and no asyncio call: a
+    task per client, each awaiting its client's blocking call in a thread.
+    """
     torch.set_num_threads(1)
     _, make = make_payload(payload)
     td = make(torch.Generator().manual_seed(seed))
-    for _ in range(3):  # connect, get slots, warm up
-        call(td.clone())
+    for call in calls_of:
+        for _ in range(3):  # connect, get slots, warm up
+            call(td.clone())
     barrier.wait()
-    latencies = []
+    latencies: list[float] = []
     start, cpu = time.monotonic(), time.process_time()
-    for _ in range(calls):
-        t = time.perf_counter()
-        call(td)
-        latencies.append(time.perf_counter() - t)
+    if len(calls_of) == 1:
+        call = calls_of[0]
+        for _ in range(calls):
+            t = time.perf_counter()
+            call(td)
+            latencies.append(time.perf_counter() - t)
+    else:
+        asyncio.run(_tasks(calls_of, td, calls // len(calls_of), latencies))
     results.put((start, time.monotonic(), latencies, time.process_time() - cpu))
 
 
-def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dict:
+async def _tasks(calls_of: list, td: Any, each: int, latencies: list[float]) -> None:
+    async def task(call: Any) -> None:
+        for _ in range(each):
+            t = time.perf_counter()
+            if hasattr(call, "acall"):
+                await call.acall(td.clone())
+            else:
+                await asyncio.to_thread(call, td.clone())
+            latencies.append(time.perf_counter() - t)
+
+    await asyncio.gather(*(task(c) for c in calls_of))
+
+
+def measure(system: str, payload: str, procs: int, calls: int, args: Any, tasks: int = 1) -> dict:
     ctx = mp.get_context("spawn")
     policy, make = make_payload(payload)
     barrier, results = ctx.Barrier(procs + 1), ctx.Queue()  # this process passes it too: its CPU clock starts
@@ -81,7 +106,7 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
     if system == "ours":
         devices = ["cpu"] * args.replicas if args.replicas > 1 else None  # one replica: where the policy is
         server: Any = BatchedPolicyServer(policy, device=devices, **kw)
-        clients = [server.remote_policy()] * procs
+        clients = [[server.remote_policy()] * tasks for _ in range(procs)]
     else:
         sample = make(torch.Generator().manual_seed(0))
         with torch.no_grad():
@@ -91,9 +116,9 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
         if kind is MPTransport:  # pickles whole TensorDicts: no slot layout to give
             transport = kind(ctx)
         else:
-            transport = kind(sample, response, num_slots=procs, ctx=ctx)
+            transport = kind(sample, response, num_slots=procs * tasks, ctx=ctx)
         server = InferenceServer(policy, transport, **kw)
-        clients = [transport.client() for _ in range(procs)]
+        clients = [[transport.client() for _ in range(tasks)] for _ in range(procs)]
     with server:
         workers = [
             ctx.Process(target=worker, args=(clients[i], payload, i, calls, barrier, results)) for i in range(procs)
@@ -111,11 +136,12 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
         )
     starts, ends = [o[0] for o in out], [o[1] for o in out]
     latencies = [x for o in out for x in o[2]]
-    n = procs * calls
+    n = len(latencies)
     return {
         "system": system,
         "payload": payload,
         "procs": procs,
+        "tasks": tasks,
         "rps": n / (max(ends) - min(starts)),
         "p50_ms": _pct(latencies, 0.5),
         "p99_ms": _pct(latencies, 0.99),
@@ -128,7 +154,9 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any) -> dic
 def main(argv: list[str] | None = None) -> dict:
     parser = common_parser(__doc__, repeats=5)
     parser.add_argument("--only", default=None, help="comma list of payloads (vector,pixels)")
-    parser.add_argument("--procs", default="2,4,8")
+    parser.add_argument(
+        "--procs", default="2,4,8,32,64,8x16", help="worker processes; PxT: P processes of T asyncio tasks each"
+    )
     parser.add_argument("--replicas", type=int, default=1, help="ours: this many CPU replicas (device=['cpu'] * N)")
     parser.add_argument(
         "--torchrl-transports", action="store_true", help="measure TorchRL's cross-process transports only"
@@ -140,13 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[tuple, list[dict]] = {}
     for repeat in range(args.repeats):
         for payload in payloads:
-            for procs in [int(p) for p in args.procs.split(",")]:
-                calls = (20 if args.quick else 1500) // (1 if payload == "vector" else 4)
+            for spec in args.procs.split(","):
+                procs, tasks = (int(n) for n in (spec.split("x") if "x" in spec else (spec, 1)))
+                # Fewer calls per process in the large fleets: each run stays near the same length.
+                calls = (20 if args.quick else 1500) // (1 if payload == "vector" else 4) * min(8, procs) // procs
+                calls = max(calls, 20) * tasks
                 for system in systems:
-                    r = measure(system, payload, procs, calls, args)
-                    runs.setdefault((payload, procs, system), []).append(r)
+                    r = measure(system, payload, procs, calls, args, tasks)
+                    runs.setdefault((payload, spec, system), []).append(r)
                     print(
-                        f"[{repeat}] {payload:6s} {procs} procs {system:8s} {r['rps']:8.0f} req/s "
+                        f"[{repeat}] {payload:6s} {spec} procs {system:8s} {r['rps']:8.0f} req/s "
                         f"p50 {r['p50_ms']:6.2f} p99 {r['p99_ms']:6.2f} ms batch {r['mean_batch']:5.1f} "
                         f"CPU us/req server {r['server_cpu_us']:4.0f} workers {r['worker_cpu_us']:4.0f}",
                         flush=True,
@@ -178,7 +209,9 @@ def write_report(rows: list[dict], args: Any) -> None:
         "",
         provenance("processes.py", args),
         "",
-        f"Spawned workers, one call at a time each; both servers in the parent with "
+        f"Spawned workers, one call at a time each (`P x T`: P workers of T asyncio tasks each; ours: one "
+        f"RemotePolicy per worker, `await acall`; TorchRL: a client per task, its blocking call in a thread); "
+        f"both servers in the parent with "
         f"`max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`; medians of {args.repeats} repeat(s), "
         "ratios within a repeat. Payloads, one intra-op thread in every thread and glibc malloc settings as in "
         "`docs/benchmarks.md`. "
@@ -191,8 +224,9 @@ def write_report(rows: list[dict], args: Any) -> None:
     ]
     for r in rows:
         o, t = r["ours"], r["torchrl"]
+        procs = r["procs"].replace("x", " x ") + (" tasks" if "x" in r["procs"] else "")
         lines.append(
-            f"| {r['payload']} | {r['procs']} | {o['rps']:,.0f} | {t['rps']:,.0f} | **{r['x_torchrl']:.2f}** "
+            f"| {r['payload']} | {procs} | {o['rps']:,.0f} | {t['rps']:,.0f} | **{r['x_torchrl']:.2f}** "
             f"| {o['p50_ms']:.2f}/{o['p99_ms']:.2f} | {t['p50_ms']:.2f}/{t['p99_ms']:.2f} "
             f"| {o['mean_batch']:.1f}/{t['mean_batch']:.1f} | {o['server_cpu_us']:.0f}/{t['server_cpu_us']:.0f} "
             f"| {o['worker_cpu_us']:.0f}/{t['worker_cpu_us']:.0f} |"

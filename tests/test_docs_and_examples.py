@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -151,10 +153,27 @@ def test_varlen_benchmark_quick_smoke(tmp_path):
 
 
 def test_process_benchmark_quick_smoke(tmp_path):
-    out = _load("benchmarks", "processes").main(["--quick", "--only", "vector", "--procs", "2", "--out", str(tmp_path)])
-    (row,) = out["rows"]
-    assert row["procs"] == 2 and row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0
-    assert (tmp_path / "benchmarks_processes_quick.md").exists()
+    argv = ["--quick", "--only", "vector", "--procs", "2,2x4", "--out", str(tmp_path)]
+    rows = _load("benchmarks", "processes").main(argv)["rows"]
+    assert [row["procs"] for row in rows] == ["2", "2x4"]
+    assert all(row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0 for row in rows)
+    assert "| vector | 2 x 4 tasks |" in (tmp_path / "benchmarks_processes_quick.md").read_text()
+
+
+@pytest.mark.skipif(
+    [name for _, name in socket.if_nameindex()] != ["lo"], reason="Ray runs in a loopback-only namespace (make test)"
+)
+@pytest.mark.timeout(600)
+def test_ray_benchmark_quick_smoke(tmp_path):
+    pytest.importorskip("ray")
+    argv = ["--quick", "--actors", "2", "--seconds", "1", "--out", str(tmp_path)]
+    spec = importlib.util.spec_from_file_location("benchmark_ray", ROOT / "benchmarks" / "ray.py")
+    module = importlib.util.module_from_spec(spec)  # by path: "ray" is Ray's name
+    sys.modules["benchmark_ray"] = module
+    spec.loader.exec_module(module)
+    rows = module.main(argv)
+    assert {r["system"] for r in rows} == {"ours", "torchrl", "serve"} and all(r["requests"] > 0 for r in rows)
+    assert "| 2 |" in (tmp_path / "benchmarks_ray_quick.md").read_text()
 
 
 def test_torchrl_transports_benchmark_measures_each_transport(tmp_path):

@@ -102,6 +102,16 @@ class Actor:
         futures = [self.remote.submit(TensorDict(obs=x)) for x in xs]
         return [(x, f.result(timeout=60)["act"]) for x, f in zip(xs, futures)]
 
+    def acalls(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        import asyncio
+
+        async def main():
+            xs = [observation(self.index, i) for i in range(n)]
+            tds = await asyncio.gather(*(self.remote.acall(TensorDict(obs=x)) for x in xs))
+            return [(x, td["act"]) for x, td in zip(xs, tds)]
+
+        return asyncio.run(main())
+
     def until_error(self, seconds: float) -> tuple[str, float]:
         """Call until a call fails; the error's class and when it came."""
         deadline = time.time() + seconds
@@ -173,12 +183,13 @@ def test_actors_on_two_nodes_and_the_driver_get_exact_results(cluster):
         assert len(set(nodes)) == 2 and ray.get_runtime_context().get_node_id() not in nodes
         results = ray.get([a.calls.remote(25) for a in actors])
         results.append([(x, act, 0) for x, act in ray.get(actors[1].concurrent.remote(8))])  # submit, 8 in flight
+        results.append([(x, act, 0) for x, act in ray.get(actors[2].acalls.remote(8))])  # 8 asyncio tasks
         here = [(x, remote(TensorDict(obs=x))["act"], 0) for x in (observation(9, i) for i in range(5))]
         for x, act, version in [row for rows in results for row in rows] + here:
             assert version == 0
             torch.testing.assert_close(act, reference(None, x))
         stats = handle.statistics()
-        assert stats.rows == 4 * 25 + 8 + 5
+        assert stats.rows == 4 * 25 + 8 + 8 + 5
     finally:
         assert handle.close()
 
