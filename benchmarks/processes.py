@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
                 procs, tasks = (int(n) for n in (spec.split("x") if "x" in spec else (spec, 1)))
                 # Fewer calls per process in the large fleets: each run stays near the same length.
                 calls = (20 if args.quick else 1500) // (1 if payload == "vector" else 4) * min(8, procs) // procs
-                calls = max(calls, 20) * tasks
+                calls = max(calls, 20 * tasks)  # per process, shared by its tasks
                 for system in systems:
                     r = measure(system, payload, procs, calls, args, tasks)
                     runs.setdefault((payload, spec, system), []).append(r)

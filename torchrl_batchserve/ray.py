@@ -2,8 +2,8 @@
 
 ::
 
-    actor on node B --shared memory--> gateway of node B --one Ray call per batch--> server actor (node A)
-    actor on node A --shared memory-----------------------------------------------> server actor
+    actor on node B --shared memory--> gateway of node B --TCP, one round trip per batch--> server actor (A)
+    actor on node A --shared memory-------------------------------------------------------> server actor
 
 :func:`serve_on_ray` starts a :class:`~torchrl_batchserve.BatchedPolicyServer`
 inside a Ray actor. Its :meth:`RayServer.remote_policy` is a
@@ -12,12 +12,14 @@ actor or driver. On first use there it asks the server actor for a policy of
 its own node: on the server's node, the server's own process hub; on any
 other node, the hub of that node's gateway. A gateway is a Ray actor pinned to
 its node (made by the server actor on first demand, so it dies with it) that
-runs a ``BatchedPolicyServer`` of its own, whose "policy" forwards each of its
-batches to the server actor in one Ray call, with the rows' results and
-version stamps coming back the same way. No request pays a Ray call of its
-own: a node's actors reach their gateway through shared memory, and a
-gateway batch costs one call however many rows it carries (``gateway_depth``
-batches of a gateway are in flight at once).
+runs a ``BatchedPolicyServer`` of its own, whose "policy" sends each of its
+batches over one TCP connection (:class:`_Link`) to the server actor, where
+it is served as one request of its rows; the rows' outputs and version
+stamps come back the same way. No request pays a Ray call or a round trip of
+its own: a node's actors reach their gateway through shared memory, and a
+gateway batch costs one round trip however many rows it carries
+(``gateway_depth`` batches of a gateway are in flight at once). Ray carries
+the control plane only: placement, finding the server, weights, statistics.
 
 Weights travel through Ray's object store: :meth:`RayServer.update_weights`
 checks the push against the served layout in the pushing process (a mismatch
