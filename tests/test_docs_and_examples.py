@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import socket
 import sys
@@ -167,11 +166,7 @@ def test_process_benchmark_quick_smoke(tmp_path):
 def test_ray_benchmark_quick_smoke(tmp_path):
     pytest.importorskip("ray")
     argv = ["--quick", "--actors", "2", "--seconds", "1", "--out", str(tmp_path)]
-    spec = importlib.util.spec_from_file_location("benchmark_ray", ROOT / "benchmarks" / "ray.py")
-    module = importlib.util.module_from_spec(spec)  # by path: "ray" is Ray's name
-    sys.modules["benchmark_ray"] = module
-    spec.loader.exec_module(module)
-    rows = module.main(argv)
+    rows = _load("benchmarks", "ray_cluster").main(argv)  # what benchmarks/ray.py runs
     assert {r["system"] for r in rows} == {"ours", "torchrl", "serve"} and all(r["requests"] > 0 for r in rows)
     assert "| 2 |" in (tmp_path / "benchmarks_ray_quick.md").read_text()
 

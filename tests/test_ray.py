@@ -7,6 +7,7 @@ saying so, outside one. One cluster serves the whole module.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import time
@@ -21,7 +22,7 @@ from ray import cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from torchrl_batchserve.errors import ServerBrokenError, WeightSyncError  # noqa: E402
-from torchrl_batchserve.ray import RayServer, serve_on_ray  # noqa: E402
+from torchrl_batchserve.ray import RayServer, push_weights, serve_on_ray  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(
@@ -127,13 +128,32 @@ class Actor:
         from torchrl.envs import PendulumEnv
 
         collector = Collector(
-            PendulumEnv, self.remote, frames_per_batch=frames, total_frames=frames, auto_register_policy_transforms=False
+            PendulumEnv,
+            self.remote,
+            frames_per_batch=frames,
+            total_frames=frames,
+            auto_register_policy_transforms=False,
         )
         try:
             batch = next(iter(collector))
         finally:
             collector.shutdown()
         return batch.numel(), batch["policy_version"].unique().tolist()
+
+
+@contextlib.contextmanager
+def served(policy_factory=factory, **kwargs):
+    """A server on the head node (``serve_on_ray``), closed after the block."""
+    handle = serve_on_ray(policy_factory, num_cpus=0, resources=SERVER, **kwargs)
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+def spread(remote, n: int) -> list:
+    """``n`` actors calling ``remote``, alternately on the two actor nodes."""
+    return [Actor.options(resources=(NODE_A, NODE_B)[i % 2]).remote(remote, i) for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +195,9 @@ def test_ray_listens_on_loopback_only(cluster):
 
 
 def test_actors_on_two_nodes_and_the_driver_get_exact_results(cluster):
-    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.002)
-    try:
+    with served(max_batch_size=16, timeout=0.002) as handle:
         remote = handle.remote_policy()
-        actors = [Actor.options(resources=(NODE_A, NODE_B)[i % 2]).remote(remote, i) for i in range(4)]
+        actors = spread(remote, 4)
         nodes = ray.get([a.node.remote() for a in actors])
         assert len(set(nodes)) == 2 and ray.get_runtime_context().get_node_id() not in nodes
         results = ray.get([a.calls.remote(25) for a in actors])
@@ -188,34 +207,28 @@ def test_actors_on_two_nodes_and_the_driver_get_exact_results(cluster):
         for x, act, version in [row for rows in results for row in rows] + here:
             assert version == 0
             torch.testing.assert_close(act, reference(None, x))
-        stats = handle.statistics()
-        assert stats.rows == 4 * 25 + 8 + 8 + 5
-    finally:
-        assert handle.close()
+        assert handle.statistics().rows == 4 * 25 + 8 + 8 + 5
+        assert handle.close()  # the serve loops stopped (the block's own close is then a no-op)
 
 
 def test_each_gateway_batch_reaches_the_server_as_one_request(cluster):
     # No request pays a Ray call or a trip of its own: what reaches the server from the other
     # nodes is exactly their gateways' batches, rows for rows.
-    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.01)
-    try:
+    with served(max_batch_size=16, timeout=0.01) as handle:
         remote = handle.remote_policy()
-        actors = [Actor.options(resources=(NODE_A, NODE_B)[i % 2]).remote(remote, i) for i in range(6)]
+        actors = spread(remote, 6)
         ray.get([a.calls.remote(20) for a in actors])
         stats, gateways = handle.statistics(), handle.gateway_statistics()
         assert len(gateways) == 2
         assert sum(g.batches for g in gateways.values()) == stats.requests
         assert sum(g.rows for g in gateways.values()) == stats.rows == 6 * 20
         assert all(g.requests == 3 * 20 for g in gateways.values())
-    finally:
-        handle.close()
 
 
 def test_versions_are_exact_across_pushes_and_a_bad_push_changes_nothing(cluster):
-    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.002)
-    try:
+    with served(max_batch_size=16, timeout=0.002) as handle:
         remote = handle.remote_policy()
-        actors = [Actor.options(resources=(NODE_A, NODE_B)[i % 2]).remote(remote, i) for i in range(2)]
+        actors = spread(remote, 2)
         ray.get([a.calls.remote(1) for a in actors])
         pushed = {0: None}
         running = [a.calls.remote(60) for a in actors]
@@ -239,29 +252,42 @@ def test_versions_are_exact_across_pushes_and_a_bad_push_changes_nothing(cluster
         # A handle pickled elsewhere (a trainer on another node) pushes to the same server.
         copy = cloudpickle.loads(cloudpickle.dumps(handle))
         assert isinstance(copy, RayServer) and copy.update_weights(pushed[5]) == 6
+
+
+def test_one_push_reaches_several_servers_as_one_version_or_none(cluster):
+    servers = [serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=8) for _ in range(2)]
+    try:
+        assert servers[0].update_weights(TensorDict.from_module(factory(seed=1)).data.clone()) == 1  # one ahead
+        pushed = TensorDict.from_module(factory(seed=2)).data.clone()
+        assert push_weights(servers, pushed) == 2
+        with pytest.raises(WeightSyncError, match="bias"):
+            push_weights(servers, {"weight": torch.zeros(3, 4), "bias": torch.zeros(4)})
+        for server in servers:
+            actor = Actor.options(resources=NODE_B).remote(server.remote_policy(), 0)
+            for x, act, version in ray.get(actor.calls.remote(3)):
+                assert version == 2
+                torch.testing.assert_close(act, reference(pushed, x))
+            assert server.statistics().policy_version == 2
     finally:
-        handle.close()
+        for server in servers:
+            server.close()
 
 
 def test_a_collector_on_an_actor_node_collects_through_the_ray_served_policy(cluster):
     def pendulum_policy() -> TensorDictModule:
         return TensorDictModule(PendulumNet(), in_keys=["th", "thdot"], out_keys=["action"])
 
-    handle = serve_on_ray(pendulum_policy, num_cpus=0, resources=SERVER, max_batch_size=8)
-    try:
+    with served(pendulum_policy, max_batch_size=8) as handle:
         actor = Actor.options(resources=NODE_B).remote(handle.remote_policy(), 0)
         frames, versions = ray.get(actor.collect.remote(32))
         assert frames == 32 and versions == [0]
         assert handle.statistics().rows >= 32
-    finally:
-        handle.close()
 
 
 def test_the_server_serves_on_when_a_node_with_actors_dies(cluster):
     node = cluster.add_node(num_cpus=1, resources={"node_c": 100})
     cluster.wait_for_nodes()
-    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.002)
-    try:
+    with served(max_batch_size=16, timeout=0.002) as handle:
         remote = handle.remote_policy()
         doomed = Actor.options(resources={"node_c": 1}).remote(remote, 0)
         survivor = Actor.options(resources=NODE_A).remote(remote, 1)
@@ -272,13 +298,11 @@ def test_the_server_serves_on_when_a_node_with_actors_dies(cluster):
             ray.get(running, timeout=60)
         for x, act, _ in ray.get(survivor.calls.remote(10)):
             torch.testing.assert_close(act, reference(None, x))
-    finally:
-        handle.close()
 
 
 def test_a_dead_server_actor_fails_every_waiting_actor_promptly(cluster):
     handle = serve_on_ray(slow_factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.002)
-    actors = [Actor.options(resources=(NODE_A, NODE_B)[i % 2]).remote(handle.remote_policy(), i) for i in range(2)]
+    actors = spread(handle.remote_policy(), 2)
     ray.get([a.calls.remote(1) for a in actors])
     running = [a.until_error.remote(120) for a in actors]
     while handle.statistics().batches < 4:  # both are calling
@@ -293,8 +317,7 @@ def test_a_dead_server_actor_fails_every_waiting_actor_promptly(cluster):
 
 
 def test_a_restarted_server_is_found_again_and_serves_after_the_next_push(cluster):
-    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_restarts=1, max_batch_size=16, timeout=0.002)
-    try:
+    with served(max_restarts=1, max_batch_size=16, timeout=0.002) as handle:
         remote = handle.remote_policy()
         actor = Actor.options(resources=NODE_A).remote(remote, 0)
         pushed = TensorDict.from_module(factory(seed=7)).data.clone()
@@ -311,8 +334,6 @@ def test_a_restarted_server_is_found_again_and_serves_after_the_next_push(cluste
         ]:
             assert version == 2
             torch.testing.assert_close(act, reference(pushed, x))
-    finally:
-        handle.close()
 
 
 def test_serve_on_ray_refuses_bad_arguments(cluster):

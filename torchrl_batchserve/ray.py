@@ -22,9 +22,10 @@ gateway batch costs one round trip however many rows it carries
 the control plane only: placement, finding the server, weights, statistics.
 
 Weights travel through Ray's object store: :meth:`RayServer.update_weights`
-checks the push against the served layout in the pushing process (a mismatch
-raises :class:`~torchrl_batchserve.errors.WeightSyncError` before anything
-moves) and stages it in the server with one version.
+(one server) and :func:`push_weights` (several) check the push against each
+served layout in the pushing process (a mismatch raises
+:class:`~torchrl_batchserve.errors.WeightSyncError` before anything moves)
+and stage it in every server with one version.
 
 Faults: a gateway's node may die (the server serves the others); a server
 actor that dies ends its gateways with it, so every waiting actor gets
@@ -46,7 +47,7 @@ import secrets
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
@@ -66,7 +67,7 @@ from torchrl_batchserve.stats import ServerStatistics
 from torchrl_batchserve.transport.hub import _portable
 from torchrl_batchserve.weights import as_weights
 
-__all__ = ["RayServer", "serve_on_ray"]
+__all__ = ["RayServer", "push_weights", "serve_on_ray"]
 
 MAX_CONCURRENCY = 32  # the server actor's threads for Ray calls: connects (each may start a gateway), pushes
 CONNECT_TIMEOUT = 120.0  # seconds a client waits for the server actor (a restart included) to give it a policy
@@ -148,25 +149,11 @@ class RayServer:
     def update_weights(self, weights: Any) -> int:
         """Push ``weights`` (a module, a TensorDict or a state_dict); return the version they serve as.
 
-        Checked here against the served layout first: a mismatch raises
-        :class:`~torchrl_batchserve.errors.WeightSyncError`, nothing is sent
-        and the server keeps its weights.
+        :func:`push_weights` to this server alone: checked here first, a
+        mismatch raises :class:`~torchrl_batchserve.errors.WeightSyncError`,
+        nothing is sent and the server keeps its weights.
         """
-        if weights is None:
-            raise WeightSyncError(
-                "a Ray-served server has no trainer module in this process to take weights from: pass the weights "
-                "(a module, a TensorDict or a state_dict)"
-            )
-        tensors = as_weights(weights)
-        _check_layout(self._layout, tensors)
-        tensors = tensors.detach().to("cpu")
-        try:
-            self._version = _ask(self.actor, "update_weights", tensors, self._version)
-        except RayTaskError as err:
-            raise _cause(err) from None
-        except RayActorError as err:
-            raise ServerBrokenError(f"the server actor is gone: {err}") from err
-        return self._version
+        return push_weights([self], weights)
 
     def weight_sync_scheme(self) -> Any:
         """A TorchRL ``WeightSyncScheme`` for collectors: ``update_policy_weights_(policy)`` pushes here."""
@@ -193,6 +180,41 @@ class RayServer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(in_keys={self.in_keys}, out_keys={self.out_keys})"
+
+
+def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
+    """Push one set of weights to every server of ``servers`` as one version; return it.
+
+    ``weights`` is a module, a TensorDict or a state_dict. It is checked
+    against every server's layout before anything moves: a mismatch with any
+    raises :class:`~torchrl_batchserve.errors.WeightSyncError` and every
+    server keeps its weights. It then goes into Ray's object store once, and
+    each server stages it between two of its batches. The version follows the
+    newest any of them serves or any of these handles pushed (a restarted
+    server included), so all serve it under one number.
+    """
+    if weights is None:
+        raise WeightSyncError(
+            "a Ray-served server has no trainer module in this process to take weights from: pass the weights "
+            "(a module, a TensorDict or a state_dict)"
+        )
+    tensors = as_weights(weights)
+    for server in servers:
+        _check_layout(server._layout, tensors)
+    stored = ray.put(tensors.detach().to("cpu"))
+    try:
+        current = max(_ask(s.actor, "version") for s in servers)
+        after = max([current, *(s._version for s in servers)])
+        versions = [_ask(s.actor, "update_weights", stored, after) for s in servers]
+    except RayTaskError as err:
+        raise _cause(err) from None
+    except RayActorError as err:
+        raise ServerBrokenError(f"a server actor is gone: {err}") from err
+    for server, version in zip(servers, versions):
+        server._version = version
+    if len(set(versions)) > 1:
+        raise WeightSyncError(f"the servers staged the push as versions {versions}: another trainer pushed meanwhile")
+    return versions[0]
 
 
 def _handle(actor: Any, in_keys: list, out_keys: list, layout: dict, version: int) -> RayServer:
@@ -389,8 +411,11 @@ class _ServerActor:
                 continue
             future.add_done_callback(functools.partial(reply, seq))
 
+    def version(self) -> int:
+        return self._server.policy_version
+
     def update_weights(self, weights: TensorDictBase, after: int) -> int:
-        """Stage a push; its version follows both this server's and the pushing handle's last one."""
+        """Stage a push; its version follows both this server's and ``after`` (the pushers' last one)."""
         version = self._server.update_weights(weights, version=max(self._server.policy_version, after) + 1)
         self._waiting_for_weights = False
         return version
