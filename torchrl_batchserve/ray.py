@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import pickle
 import secrets
@@ -68,6 +69,8 @@ from torchrl_batchserve.transport.hub import _portable
 from torchrl_batchserve.weights import as_weights
 
 __all__ = ["RayServer", "push_weights", "serve_on_ray"]
+
+_log = logging.getLogger(__name__)
 
 MAX_CONCURRENCY = 32  # the server actor's threads for Ray calls: connects (each may start a gateway), pushes
 CONNECT_TIMEOUT = 120.0  # seconds a client waits for the server actor (a restart included) to give it a policy
@@ -360,6 +363,8 @@ class _ServerActor:
         if node == self._node:
             return self._policy
         with self._lock:
+            if node in self._gateways and not _healthy(self._gateways[node][0]):
+                ray.kill(self._gateways.pop(node)[0], no_restart=True)  # its link broke: a new one replaces it
             if node not in self._gateways:
                 kwargs = {
                     "max_batch_size": self._server.max_batch_size,
@@ -373,7 +378,10 @@ class _ServerActor:
                     .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
                     .remote(link, self._server.in_keys, self._returned, kwargs)
                 )
-                self._gateways[node] = (gateway, ray.get(gateway.remote_policy.remote()))
+                try:
+                    self._gateways[node] = (gateway, ray.get(gateway.remote_policy.remote()))
+                except RayActorError as err:  # e.g. the node died before its gateway started
+                    raise ServerBrokenError(f"the gateway of node {node} could not start: {err}") from err
             return self._gateways[node][1]
 
     def _accept(self) -> None:
@@ -394,13 +402,20 @@ class _ServerActor:
             error = future.exception()
             outputs = None if error is not None else future.result().select(*self._returned)
             with send, contextlib.suppress(OSError):
-                _send(conn, (seq, None if error is None else _portable(error), outputs))
+                try:
+                    _send(conn, (seq, None if error is None else _portable(error), outputs))
+                except Exception as err:  # outputs that do not pickle: this batch fails, not the link
+                    _send(conn, (seq, _portable(err), None))
 
         while True:
             try:
                 seq, batch, interaction = _recv(conn)
             except (EOFError, OSError):
                 return  # the gateway (or its node) is gone: its replies have nobody to go to
+            except Exception:  # a message that cannot be read: end the link, so the gateway fails what is in flight
+                _log.exception("a gateway sent a message that cannot be read; its connection is closed")
+                conn.close()
+                return
             try:
                 mode = None if interaction is None else InteractionType(interaction)
                 with set_interaction_type(mode):
@@ -460,6 +475,16 @@ class _Gateway:
     def statistics(self) -> ServerStatistics:
         return self._server.statistics()
 
+    def healthy(self) -> bool:
+        return self._link.broken is None
+
+
+def _healthy(gateway: Any) -> bool:
+    try:
+        return bool(ray.get(gateway.healthy.remote(), timeout=CONNECT_TIMEOUT))
+    except (RayActorError, GetTimeoutError):
+        return False
+
 
 class _Link:
     """A gateway's connection to the server actor: batches out, their outputs back, matched by ``seq``.
@@ -475,7 +500,7 @@ class _Link:
         self._lock = threading.Lock()
         self._seq = 0
         self._waiting: dict[int, Future] = {}
-        self._broken: BaseException | None = None
+        self.broken: BaseException | None = None
         threading.Thread(target=self._read, name="batchserve-ray-link", daemon=True).start()
 
     def __deepcopy__(self, memo: dict) -> _Link:
@@ -484,8 +509,8 @@ class _Link:
     def submit(self, batch: TensorDictBase, interaction: str | None) -> Future:
         future: Future = Future()
         with self._lock:
-            if self._broken is not None:
-                raise self._broken
+            if self.broken is not None:
+                raise self.broken
             self._seq += 1
             self._waiting[self._seq] = future
             try:
@@ -499,12 +524,14 @@ class _Link:
         while True:
             try:
                 seq, error, outputs = _recv(self._conn)
-            except (EOFError, OSError) as err:
+            except Exception as err:  # the connection ended (EOF, reset) or a reply cannot be read
+                with contextlib.suppress(OSError):
+                    self._conn.close()
                 with self._lock:
-                    self._broken = ServerBrokenError(f"the server actor is gone (its connection ended: {err!r})")
+                    self.broken = ServerBrokenError(f"the link to the server actor ended ({err!r})")
                     waiting, self._waiting = list(self._waiting.values()), {}
                 for future in waiting:
-                    future.set_exception(self._broken)
+                    future.set_exception(self.broken)
                 return
             with self._lock:
                 future = self._waiting.pop(seq)
