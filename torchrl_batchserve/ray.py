@@ -291,13 +291,31 @@ class RayEndpoint:
             if self._local is not None and self._local[1] is policy:
                 self._local = None
 
+    def _failed(self, policy: RemotePolicy, error: BaseException) -> BaseException:
+        """What a call that lost its hub raises: asked of the server actor when the hub only looked closed.
+
+        A hub that is gone reads as closed to a client that finds its socket
+        shut before it reads the hub's last word. Whether the server was
+        closed or died (or the node's gateway went) is the server actor's to
+        say: reconnecting tells it, and readies the next call.
+        """
+        self._forget(policy)
+        if isinstance(error, ServerClosedError):
+            try:
+                self._policy()
+            except (ServerBrokenError, ServerClosedError) as why:
+                return why
+        return error
+
     def call(self, td: TensorDictBase) -> TensorDictBase:
         policy = self._policy()
         try:
             return policy(td)
-        except (ServerBrokenError, ServerClosedError):
-            self._forget(policy)
-            raise
+        except (ServerBrokenError, ServerClosedError) as err:
+            why = self._failed(policy, err)
+            if why is err:
+                raise
+            raise why from err
 
     def submit(self, td: TensorDictBase) -> Future[TensorDictBase]:
         policy = self._policy()
@@ -315,9 +333,11 @@ class RayEndpoint:
         policy = await asyncio.to_thread(self._policy) if self._local is None else self._policy()
         try:
             return await policy.acall(td)
-        except (ServerBrokenError, ServerClosedError):
-            self._forget(policy)
-            raise
+        except (ServerBrokenError, ServerClosedError) as err:
+            why = await asyncio.to_thread(self._failed, policy, err)
+            if why is err:
+                raise
+            raise why from err
 
 
 class _ServerActor:
