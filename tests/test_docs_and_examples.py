@@ -244,20 +244,24 @@ def test_every_docs_page_is_in_the_site_navigation():
     assert sorted(pages(nav)) == sorted(p.name for p in (ROOT / "docs").glob("*.md"))
 
 
-def test_ppo_recipe_smoke(tmp_path):
+def _ppo_recipe(tmp_path, *overrides: str):
+    """The PPO recipe's module and its config, two workers of 400 frames a batch, written to ``tmp_path``."""
     ppo_pendulum = _load("examples", "ppo_pendulum")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(
             config_name="ppo_pendulum",
             overrides=[
+                *overrides,
                 "collector.num_workers=2",
                 "collector.frames_per_batch=400",
-                "collector.total_frames=1200",
-                "ppo.epochs=1",
-                "progress=false",
                 f"out_dir={tmp_path}",
             ],
         )
+    return ppo_pendulum, cfg
+
+
+def test_ppo_recipe_smoke(tmp_path):
+    ppo_pendulum, cfg = _ppo_recipe(tmp_path, "collector.total_frames=1200", "ppo.epochs=1", "progress=false")
     result = ppo_pendulum.run(cfg)
     assert [h["versions"] for h in result["history"]] == [[0], [1], [2]]  # each iteration's push was served
     assert result["frames"] == 1200 and result["statistics"]["requests"] > 0
@@ -266,18 +270,7 @@ def test_ppo_recipe_smoke(tmp_path):
 
 
 def test_ppo_recipe_measures_frames_per_second(tmp_path):
-    ppo_pendulum = _load("examples", "ppo_pendulum")
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(
-            config_name="ppo_pendulum",
-            overrides=[
-                "measure=true",
-                "measure_frames=1600",
-                "collector.num_workers=2",
-                "collector.frames_per_batch=400",
-                f"out_dir={tmp_path}",
-            ],
-        )
+    ppo_pendulum, cfg = _ppo_recipe(tmp_path, "measure=true", "measure_frames=1600")
     result = ppo_pendulum.run(cfg)
     assert set(result) == {
         "MultiSyncCollector, one server",

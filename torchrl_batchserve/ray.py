@@ -66,7 +66,7 @@ from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics
 from torchrl_batchserve.transport.hub import _portable
-from torchrl_batchserve.weights import as_weights
+from torchrl_batchserve.weights import ShadowWeights, as_weights
 
 __all__ = ["RayServer", "push_weights", "serve_on_ray"]
 
@@ -133,17 +133,15 @@ class RayServer:
     Every copy, on any node, reaches the same server.
     """
 
-    def __init__(
-        self, actor: Any, *, in_keys: list, out_keys: list, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]
-    ) -> None:
+    def __init__(self, actor: Any, *, in_keys: list, out_keys: list, layout: TensorDictBase) -> None:
         self.actor = actor
         self.in_keys = list(in_keys)
         self.out_keys = list(out_keys)
-        self._layout = layout
+        self._layout = ShadowWeights(layout)  # the served names, shapes, dtypes (meta tensors): pushes checked here
         self._version = 0  # the newest version this handle pushed or saw
 
     def __reduce__(self) -> tuple:
-        return _handle, (self.actor, self.in_keys, self.out_keys, self._layout, self._version)
+        return _handle, (self.actor, self.in_keys, self.out_keys, self._layout.served, self._version)
 
     def remote_policy(self) -> RemotePolicy:
         """A :class:`~torchrl_batchserve.RemotePolicy` that works in any Ray task, actor or driver."""
@@ -203,7 +201,7 @@ def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
         )
     tensors = as_weights(weights)
     for server in servers:
-        _check_layout(server._layout, tensors)
+        server._layout.check(tensors)
     stored = ray.put(tensors.detach().to("cpu"))
     try:
         current = max(_ask(s.actor, "version") for s in servers)
@@ -220,22 +218,10 @@ def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
     return versions[0]
 
 
-def _handle(actor: Any, in_keys: list, out_keys: list, layout: dict, version: int) -> RayServer:
+def _handle(actor: Any, in_keys: list, out_keys: list, layout: TensorDictBase, version: int) -> RayServer:
     handle = RayServer(actor, in_keys=in_keys, out_keys=out_keys, layout=layout)
     handle._version = version
     return handle
-
-
-def _check_layout(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], weights: TensorDictBase) -> None:
-    given = {".".join(k) if isinstance(k, tuple) else k: v for k, v in weights.items(True, True)}
-    if set(given) != set(layout):
-        missing, extra = sorted(set(layout) - set(given)), sorted(set(given) - set(layout))
-        raise WeightSyncError(f"weights do not match the served policy: missing {missing}, unexpected {extra}")
-    for key, (shape, dtype) in layout.items():
-        value = given[key]
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
-            got = f"shape {tuple(value.shape)} and dtype {value.dtype}" if isinstance(value, torch.Tensor) else value
-            raise WeightSyncError(f"weight {key!r}: expected shape {shape} and dtype {dtype}, got {got}")
 
 
 def _ask(actor: Any, method: str, *args: Any) -> Any:
@@ -368,10 +354,7 @@ class _ServerActor:
     def describe(self) -> dict[str, Any]:
         if self._failure is not None:
             raise self._failure
-        served = TensorDict.from_module(self._server.policy)
-        layout = {
-            ".".join(k) if isinstance(k, tuple) else k: (tuple(v.shape), v.dtype) for k, v in served.items(True, True)
-        }
+        layout = TensorDict.from_module(self._server.policy).apply(lambda t: torch.empty_like(t, device="meta"))
         return {"in_keys": self._server.in_keys, "out_keys": self._server.out_keys, "layout": layout}
 
     def connect(self, node: str) -> RemotePolicy:
