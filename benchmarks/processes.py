@@ -78,7 +78,7 @@ def worker(calls_of: list, payload: str, seed: int, calls: int, barrier: Any, re
         call = calls_of[0]
         for _ in range(calls):
             t = time.perf_counter()
-            call(td)
+            call(td.clone())  # a fresh TensorDict per request, as an env step makes
             latencies.append(time.perf_counter() - t)
     else:
         asyncio.run(_tasks(calls_of, td, calls // len(calls_of), latencies))

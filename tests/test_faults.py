@@ -226,9 +226,15 @@ def test_tensors_no_collate_can_batch_are_refused_at_submit(value, message):
 def test_zero_rows_are_refused_the_same_way_in_process_and_from_a_worker():
     policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy) as server:
-        for remote in (server.remote_policy(), client_of(server)):
+        worker = client_of(server)
+        for remote in (server.remote_policy(), worker):
             with pytest.raises(BadRequestError, match="at least one row"):
                 remote(obs(0))
+        worker(obs())  # a worker's request in its lane, and a refused one there too
+        with pytest.raises(BadRequestError, match="at least one row"):
+            worker(obs(0))
+        assert worker(obs())["logits"].shape == (3,)
+        assert server._hub.arrived == {"lane": 1, "socket": 1}  # (refused requests are not counted)
 
 
 def test_meta_weights_are_refused_with_a_weight_sync_error():

@@ -29,15 +29,16 @@ SPAWN = mp.get_context("spawn")
 
 
 def slot_mappings() -> int:
-    """Slot memory this process still maps or holds a descriptor of."""
+    """Shared memory (slots, headers) and eventfds (bells) this process still maps or holds a descriptor of."""
     with open("/proc/self/maps") as f:
-        mapped = sum("torchrl_batchserve-slot" in line for line in f)
+        mapped = sum("torchrl_batchserve-" in line for line in f)
     fds = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            fds += "torchrl_batchserve-slot" in os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            pass
+            continue
+        fds += "torchrl_batchserve-" in target or target == "anon_inode:[eventfd]"
     return mapped + fds
 
 
@@ -89,20 +90,24 @@ def check_results(net, results) -> int:
 
 
 def test_n_workers_m_requests_each_get_their_own_results():
+    before = slot_mappings()  # (what earlier tests of this process may still hold)
     net = pw.make_net()
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy, max_batch_size=16, timeout=0.01) as server:
         remote = server.remote_policy()  # one object handed to every worker
         outs = run_workers(SPAWN, pw.random_requests, [(remote, seed, 40) for seed in range(3)])
         stats = server.statistics()
-        address = server._hub.address
+        address, arrived = server._hub.address, dict(server._hub.arrived)
         wait_for(lambda: server._hub.clients == 0, "the hub to drop the workers that exited")
         gc.collect()
-        assert slot_mappings() == 0  # their slots went with them
+        assert slot_mappings() == before  # their lanes and bells went with them
     assert sorted(seed for seed, _, _ in outs) == [0, 1, 2] and len({pid for _, pid, _ in outs}) == 3
     for _, _, out in outs:
         check_results(net, out)
     assert stats.requests == 120 and stats.mean_batch_size > 1  # batched across processes
+    # A worker's requests come pickled only until it has lanes that fit them (a lane per batch shape's
+    # size here, at most 3 a worker): then through its lanes, no socket message each.
+    assert arrived["socket"] <= 3 * 3 and arrived["lane"] == 120 - arrived["socket"]
     assert not os.path.exists(os.path.dirname(address))  # the socket and its folder are gone with the server
 
 
@@ -134,6 +139,7 @@ def test_a_connected_client_inherited_by_fork_connects_anew_in_the_child():
 
 
 def test_pickled_copies_are_separate_clients():
+    before = slot_mappings()
     policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy) as server:
         remote = server.remote_policy()
@@ -144,10 +150,10 @@ def test_pickled_copies_are_separate_clients():
         with torch.no_grad():
             torch.testing.assert_close(tb["logits"], policy.module(torch.ones(8)))
             torch.testing.assert_close(ta["logits"], policy.module(torch.zeros(8)))
-        assert slot_mappings() > 0  # each client: an input and an output slot, mapped on both sides
+        assert slot_mappings() > before  # each client: its bells, headers and a lane, mapped on both sides
     del a, b, ta, tb
     gc.collect()
-    assert slot_mappings() == 0  # anonymous memory files: nothing named to leak, nothing left once unused
+    assert slot_mappings() == before  # anonymous memory files: nothing named to leak, nothing left once unused
 
 
 class _Transposed(nn.Module):
@@ -224,6 +230,7 @@ def test_the_hub_fires_timeouts_for_the_requests_it_queued():
 
 
 def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
+    before = slot_mappings()
     gated = GatedPolicy(pw.make_net(), block_first=1)
     with BatchedPolicyServer(gated, timeout=0.01) as server:
         remote = server.remote_policy()
@@ -240,19 +247,20 @@ def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
     for _, _, out in outs:
         check_results(gated.net, out)
     gc.collect()
-    assert slot_mappings() == 0
+    assert slot_mappings() == before
 
 
 def test_a_slot_offered_to_a_worker_already_gone_leaks_no_descriptor():
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     client = _Client(here, ident=1)
+    os.close(client.headers_fd)  # (the handshake sends it, then closes it)
     there.close()
     client.alive = False  # a reply found the worker gone
-    slot, fd = Slot.create([("logits", torch.float32, (2,))], 1)
-    client.send(("slot", "out", *slot.describe()), fd=fd)
+    slot, fd = Slot.create([("observation", torch.float32, (8,))], 1)
+    client.send(("lane", 0, *slot.describe()), fds=[fd])
     with pytest.raises(OSError):
         os.fstat(fd)  # closed, though never sent
-    client.wire.close()
+    client.close()
 
 
 def test_closing_the_server_fails_waiting_workers_promptly():
@@ -558,8 +566,10 @@ def test_threads_and_tasks_of_one_worker_share_its_remote_policy_and_batch_toget
         gated.gate.set()
         out = report(results, [worker])
         worker.join(30)
+        arrived = server._hub.arrived
     assert len(out) == callers * 5
     assert max(gated.batches) >= callers // 2  # requests of several callers of one process in one batch
+    assert arrived["lane"] >= callers * 5 // 2  # a lane for each caller in flight (all but the first round)
     with torch.no_grad():
         for obs, logits in out:
             torch.testing.assert_close(torch.tensor(logits), net(torch.tensor(obs)))

@@ -40,7 +40,7 @@ def test_a_descriptor_arrives_with_the_message_that_announces_it(wires):
     try:
         os.write(fd, b"slot bytes")
         left.send(("first",))
-        left.send(("slot", "in"), fd=fd)
+        left.send(("slot", "in"), fds=[fd])
     finally:
         os.close(fd)  # the receiver holds its own copy
     assert right.recv() == ("first",)

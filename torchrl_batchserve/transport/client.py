@@ -2,10 +2,12 @@
 
 Connects to the server's :class:`~torchrl_batchserve.transport.hub.ProcessHub`
 on first use (so a policy can be pickled, unpickled and never called), then
-serves any number of concurrent callers of that process. Waiting is a
-blocking read of the socket: a reply, a ``closed`` notice, or end-of-file
-when the server's process is gone; nothing waits forever. Each request has a
-sequence number, and a reply to an earlier, interrupted call is dropped.
+serves any number of concurrent callers of that process, one lane each
+(:mod:`~torchrl_batchserve.transport.hub` has the protocol). Waiting is a
+``poll`` of the reply bell and the socket: a reply, a ``closed`` notice, or
+end-of-file when the server's process is gone; nothing waits forever. Each
+request has a sequence number, and a reply to an earlier, interrupted call
+is dropped.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import select
 import socket
 import threading
 import weakref
@@ -26,7 +29,7 @@ from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, Server
 from torchrl_batchserve.layout import entry
 from torchrl_batchserve.request import write_outputs
 from torchrl_batchserve.transport.hub import HANDSHAKE_TIMEOUT
-from torchrl_batchserve.transport.slots import Slot
+from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Slot
 from torchrl_batchserve.transport.wire import Wire
 
 __all__ = ["ProcessClient"]
@@ -42,6 +45,16 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
+class _Lane:
+    __slots__ = ("index", "inputs", "outputs", "seq")
+
+    def __init__(self, index: int, inputs: Slot) -> None:
+        self.index = index
+        self.inputs = inputs
+        self.outputs: Slot | None = None
+        self.seq: int | None = None  # the request on it, from its ring until its reply is read
+
+
 class ProcessClient:
     """One worker's connection to a server in another process.
 
@@ -53,11 +66,11 @@ class ProcessClient:
 
     Any number of threads and asyncio tasks of the worker may call it at
     once; their requests are in flight together and batch with everyone
-    else's. One request at a time holds the client's two shared-memory slots
-    (the common case: one caller); the others travel pickled. Whichever
-    waiting thread finds nobody reading the socket reads it for all, and hands
-    each reply to the caller whose ``seq`` it carries; a reply nobody waits
-    for (an interrupted call) is dropped.
+    else's. Each request takes a free lane that fits it (or travels pickled,
+    and the hub offers a lane for the next). Whichever waiting thread finds
+    nobody waiting on the bell and the socket waits for all, and hands each
+    reply to the caller whose ``seq`` it carries; a reply nobody waits for (an
+    interrupted call) is dropped.
     """
 
     def __init__(self, address: str, authkey: bytes, in_keys: list[Any]) -> None:
@@ -70,16 +83,17 @@ class ProcessClient:
     def _reset(self) -> None:
         self._cond = threading.Condition()
         self._conn: Wire | None = None
-        self._inputs: Slot | None = None
-        self._outputs: Slot | None = None
+        self._headers: Headers | None = None
+        self._bells: tuple[int, int] | None = None  # (requests, replies)
+        self._lanes: list[_Lane] = []
         self._closed = False
         self._failure: BaseException | None = None  # what every waiter gets once the server is gone
         self._seq = 0
-        self._waiting: dict[int, tuple[int, tuple[int, ...]]] = {}  # seq -> (rows, batch shape)
+        self._waiting: dict[int, tuple[int, tuple[int, ...], _Lane | None]] = {}  # seq -> (rows, shape, lane)
         self._replies: dict[int, tuple[Any, Any, Any]] = {}  # seq -> (error, keys, values)
-        self._slot_seq: int | None = None  # the request whose inputs and outputs are in the slots
         self._reading = False
         self._executor: ThreadPoolExecutor | None = None
+        self._release: Any = lambda: None  # closes the bells once connected
 
     def process_address(self) -> tuple[str, bytes, list]:
         """Where another copy connects (a copy of a copy is a client of the same server)."""
@@ -99,11 +113,19 @@ class ProcessClient:
                 sock.sendall(self.authkey)
                 if sock.recv(1) != b"\x01":
                     raise OSError("the hub refused the connection")
-            except OSError as err:
+                conn = Wire(sock)
+                sock.settimeout(HANDSHAKE_TIMEOUT)  # the bells come at once; a hub that hangs is gone
+                if conn.recv() != ("bells",):
+                    raise OSError("the hub sent no bells")
+                sock.settimeout(None)
+                self._headers = Headers.attach(conn.take_fd())
+                self._bells = conn.take_fd(), conn.take_fd()
+                self._release = weakref.finalize(self, _close_fds, self._bells)  # a client dropped unclosed
+            except (OSError, EOFError) as err:
                 sock.close()
                 self._closed = True
                 raise ServerClosedError(f"the server at {self.address} is closed or gone ({err})") from err
-            self._conn = Wire(sock)
+            self._conn = conn
         return self._conn
 
     def call(self, td: TensorDictBase) -> TensorDictBase:
@@ -118,21 +140,21 @@ class ProcessClient:
             conn = self._connection()
             self._seq += 1
             seq = self._seq
-            slot = self._inputs
-            into_slot = 0  # the capacity of the slot its inputs are in (0: pickled)
-            if self._slot_seq is None and slot is not None and slot.fits(inputs, rows, batch_shape):
-                slot.write(inputs, rows, batch_shape)
-                self._slot_seq, payload, into_slot = seq, None, slot.capacity
-            else:
-                present = [k for k, v in zip(self.in_keys, inputs) if v is not None]
-                payload = pickle.dumps(td.select(*present, strict=False), protocol=pickle.HIGHEST_PROTOCOL)
-            self._waiting[seq] = (rows, batch_shape)
+            lane = self._free_lane(inputs, rows, batch_shape)
             try:
-                conn.send(("req", seq, rows, batch_shape, None if mode is None else mode.value, payload, into_slot))
+                if lane is not None:
+                    lane.inputs.write(inputs, rows, batch_shape)
+                    self._headers.write(lane.index, seq, rows, batch_shape, mode)  # type: ignore[union-attr]
+                    lane.seq = seq
+                    os.eventfd_write(self._bells[0], 1 << lane.index)  # type: ignore[index]
+                else:
+                    present = [k for k, v in zip(self.in_keys, inputs) if v is not None]
+                    payload = pickle.dumps(td.select(*present, strict=False), protocol=pickle.HIGHEST_PROTOCOL)
+                    conn.send(("req", seq, None if mode is None else mode.value, payload))
             except OSError as err:
                 self._closed = True
-                self._waiting.pop(seq)
                 raise ServerClosedError(f"the server is closed or gone ({err})") from err
+            self._waiting[seq] = (rows, batch_shape, lane)
         try:
             error, keys, values = self._wait(conn, seq)
         finally:
@@ -143,8 +165,19 @@ class ProcessClient:
         write_outputs(td, keys, values)
         return td
 
+    def _free_lane(self, inputs: list[Any], rows: int, batch_shape: tuple[int, ...]) -> _Lane | None:
+        """The smallest free lane that ``inputs`` fit (the caller holds the lock)."""
+        if len(batch_shape) > MAX_BATCH_DIMS:
+            return None
+        best = None
+        for lane in self._lanes:
+            if lane.seq is None and (best is None or lane.inputs.capacity < best.inputs.capacity):
+                if lane.inputs.fits(inputs, rows, batch_shape):
+                    best = lane
+        return best
+
     def _wait(self, conn: Wire, seq: int) -> tuple[Any, Any, Any]:
-        """The reply to ``seq``: from whoever reads the socket, or read here if nobody does."""
+        """The reply to ``seq``: from whoever waits on the bell and the socket, or waited for here."""
         with self._cond:
             while True:
                 if seq in self._replies:
@@ -155,18 +188,26 @@ class ProcessClient:
                     self._reading = True
                     break
                 self._cond.wait()
+        bell = self._bells[1]  # type: ignore[index]
+        ready = select.poll()
+        ready.register(conn.fileno(), select.POLLIN)
+        ready.register(bell, select.POLLIN)
         try:
             while True:
+                events = ready.poll()
                 try:
-                    message = conn.recv()
+                    messages = conn.read() if any(fd != bell for fd, _ in events) else []
                 except (EOFError, OSError) as err:
                     failure = ServerBrokenError("the server's process ended while this request was in flight")
                     failure.__cause__ = err
                     with self._cond:
                         self._closed, self._failure = True, failure
+                        self._cond.notify_all()
                     raise failure from err
                 with self._cond:
-                    self._dispatch(conn, message)
+                    self._replied(bell)
+                    for message in messages:
+                        self._dispatch(conn, message)
                     if seq in self._replies:
                         return self._replies.pop(seq)
                     if self._failure is not None:
@@ -176,32 +217,53 @@ class ProcessClient:
                 self._reading = False
                 self._cond.notify_all()
 
+    def _replied(self, bell: int) -> None:
+        """Read out every lane the hub rang (the reader holds the lock)."""
+        try:
+            bits = os.eventfd_read(bell)
+        except BlockingIOError:
+            return
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            lane = self._lanes[low.bit_length() - 1]
+            if lane.seq is not None:
+                self._complete(lane.seq, None, None, None)
+
+    def _complete(self, seq: int, error: Any, keys: Any, values: Any) -> None:
+        """Hand ``seq`` its reply (``values`` ``None``: in its lane's output slot) and free its lane."""
+        waits = seq in self._waiting  # (not: an interrupted call's)
+        rows, shape, lane = self._waiting[seq] if waits else (0, (), None)
+        if lane is None:  # pickled both ways, or nobody waits for it
+            lane = next((x for x in self._lanes if x.seq == seq), None)
+        if error is None and values is None and lane is not None and waits:
+            keys, values = lane.outputs.keys, lane.outputs.read(rows, shape)  # type: ignore[union-attr]
+        if lane is not None and lane.seq == seq:
+            lane.seq = None  # read out (or nobody waits): free for the next request
+        if waits:
+            self._replies[seq] = (error, keys, values)
+            self._cond.notify_all()
+
     def _dispatch(self, conn: Wire, message: Any) -> None:
         """Take in one message from the hub (the reader holds the lock)."""
         kind = message[0]
-        if kind == "slot":
-            _, which, fields, capacity, size = message
-            slot = Slot.attach(fields, capacity, size, conn.take_fd())
-            if which == "in":
-                self._inputs = slot
-            else:
-                self._outputs = slot
+        if kind == "lane":
+            _, index, fields, capacity, size = message
+            assert index == len(self._lanes), "lanes are offered in order"
+            self._lanes.append(_Lane(index, Slot.attach(fields, capacity, size, conn.take_fd())))
             return
         if kind == "closed":
             self._closed = True
             self._failure = ServerClosedError("the server was closed before this request ran")
             return
-        _, seq, error, values, keys = message
-        shape = self._waiting.get(seq)
-        if error is None and values is None and shape is not None:  # the outputs are in the slot
-            out = self._outputs
-            assert out is not None
-            keys, values = out.keys, out.read(*shape)
-        if seq == self._slot_seq:
-            self._slot_seq = None  # read out (or nobody waits): the slots are free again
-        if shape is not None:
-            self._replies[seq] = (error, keys, values)
-            self._cond.notify_all()
+        _, seq, error, values, keys, out = message
+        if out is not None:  # the lane's new output slot, its outputs in it
+            fields, capacity, size = out
+            slot = Slot.attach(fields, capacity, size, conn.take_fd())
+            lane = next((x for x in self._lanes if x.seq == seq), None)
+            if lane is not None:
+                lane.outputs = slot
+        self._complete(seq, error, keys, values)
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._cond:
@@ -219,14 +281,27 @@ class ProcessClient:
 
     def close(self) -> None:
         with self._cond:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-            self._inputs = self._outputs = None
+            self._close_descriptors()
+
+    def _close_descriptors(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._release()
+        self._bells, self._headers, self._lanes = None, None, []
 
     def _forget(self) -> None:
-        """In a forked child: drop the parent's connection (its descriptor closed), connect anew on use."""
-        conn = self._conn
+        """In a forked child: drop the parent's connection (its descriptors closed), connect anew on use."""
+        conn, release = self._conn, self._release
         self._reset()  # the parent's lock may have been held by another thread at the fork
         if conn is not None:
             conn.sock.close()
+        release()
+
+
+def _close_fds(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -1,39 +1,60 @@
-"""The server side of worker-process actors: a Unix socket and shared-memory slots.
+"""The server side of worker-process actors: a Unix socket, shared-memory lanes and eventfds.
 
 Each unpickled :class:`~torchrl_batchserve.RemotePolicy` in another process
 connects once (its own client: replies can never reach another worker); any
-number of its process's threads and tasks may have requests in flight. Tensors travel through the
-client's two slots (inputs, outputs: :mod:`~torchrl_batchserve.transport.slots`);
-the socket carries a few bytes per request, and its blocking read is how both
-sides wait. The socket is also the liveness signal: a worker that dies closes
-it and the hub drops the worker (its slot memory goes with the last mapping);
-a server that dies or closes ends every client's read.
+number of its process's threads and tasks may have requests in flight.
+
+A client's requests travel in its **lanes**: a lane is a pair of slots
+(inputs, outputs: :mod:`~torchrl_batchserve.transport.slots`) with a header
+(seq, rows, batch shape, interaction), and holds one request at a time. The
+client writes a request into a free lane and rings its **request bell**, an
+eventfd, adding the lane's bit (``1 << lane``). The hub's reader thread waits
+on every client's bell and socket in one ``epoll``; one read of a bell
+returns every lane rung since the last read, so a client pays the server one
+system call per pass, however many of its requests it brings, and a server
+that is busy is woken by nobody. The serve loop writes a lane's outputs in
+place and rings the client's **reply bell** with the lane's bit. The bells'
+reads and writes order the shared memory between the two processes (the
+kernel's lock on the eventfd), on any CPU. No socket message crosses per
+request.
+
+The socket carries the rest: the client's bells and headers once, at the
+handshake; a lane when the hub offers one; requests that fit no free lane
+(their inputs pickled: the first of a client, non-tensor or varying inputs,
+more batch dims than a header holds); a reply that cannot go in its lane
+(an error, non-tensor outputs, a lane's first outputs, whose slot comes with
+it); and ``closed``. It is also the liveness signal: a worker that dies
+closes it and the hub drops the worker (its lanes' memory goes with the last
+mapping); a server that dies or closes ends every client's wait.
+
+Lanes are offered as a client needs them: after a pickled request whose
+inputs are CPU tensors of the layout of its earlier ones, when the client has
+fewer lanes that fit it than requests in flight (at most
+:data:`~torchrl_batchserve.transport.slots.MAX_LANES`). So a worker with one
+caller gets one lane, and one with 16 asyncio tasks gets 16 within a few
+requests.
 
 Threads: one accept thread; one short-lived thread per connection for its
 handshake (bounded by ``HANDSHAKE_TIMEOUT``, so a client that never answers
-blocks no one); one reader thread for every client (one ``epoll`` set),
-which turns each message into a :class:`ProcessRequest` through the server's
+blocks no one); one reader thread for every client, which turns each request
+into a :class:`ProcessRequest` through the server's
 :class:`~torchrl_batchserve.intake.Intake`, the same checks as in-process
-callers. A message that fails in any way fails that request only. Replies
-are written by the serve loop that completes the request.
+callers. A request that fails in any way fails alone. Replies are written by
+the serve loop that completes the request.
 
 Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`):
 
-* client -> hub: the 16-byte authkey once, then
-  ``("req", seq, rows, batch_shape, interaction, payload, into_slot)``;
-  ``payload`` is the pickled inputs, or ``None`` when they are in the
-  client's input slot of capacity ``into_slot`` (0: none; the reply's
-  outputs then go to the output slot too).
-* hub -> client: ``("slot", "in" | "out", fields, capacity, size)`` with the
-  slot's descriptor attached (``SCM_RIGHTS``); ``("done", seq, error, values, keys)``
-  (``values`` ``None``: in the output slot); ``("closed",)``.
+* client -> hub: the 16-byte authkey once, then ``("req", seq, interaction, payload)``
+  (``payload``: the pickled inputs).
+* hub -> client: ``("bells",)`` with the headers' memory, the request bell and
+  the reply bell; ``("lane", index, fields, capacity, size)`` with its input
+  slot; ``("done", seq, error, values, keys, out)``, where ``values`` is
+  ``None`` when the outputs are in the lane and ``out`` is ``(fields,
+  capacity, size)`` when a new output slot comes with it; ``("closed",)``.
 
-``seq`` numbers a client's requests, several of which may be in flight (the
-threads and tasks of one worker): each reply goes to the caller of its
+``seq`` numbers a client's requests: each reply goes to the caller of its
 ``seq``, and one nobody waits for (a call interrupted by a signal) is
-dropped. At most one request at a time holds the slots, from its request
-until its reply is read, so a later call never reads an earlier call's
-outputs.
+dropped.
 
 In a child forked from the server's process, every descriptor of the hub is
 closed at once (``os.register_at_fork``): a worker forked later must not hold
@@ -45,6 +66,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import os
 import pickle
 import secrets
@@ -65,7 +87,7 @@ from tensordict.nn import InteractionType
 from torchrl_batchserve.errors import BadRequestError
 from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.request import Request
-from torchrl_batchserve.transport.slots import Slot
+from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Slot
 from torchrl_batchserve.transport.wire import Wire, frame
 
 __all__ = ["HANDSHAKE_TIMEOUT", "ProcessHub", "ProcessRequest"]
@@ -86,74 +108,109 @@ def _portable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+class _Lane:
+    """One request slot of a client: its inputs, its outputs once known, and whether a request holds it."""
+
+    __slots__ = ("busy", "index", "inputs", "outputs")
+
+    def __init__(self, index: int, inputs: Slot) -> None:
+        self.index = index
+        self.inputs = inputs
+        self.outputs: Slot | None = None
+        self.busy = False  # from the ring that brought its request to the reply
+
+
 class _Client:
-    """A connected worker: its socket and its two slots."""
+    """A connected worker: its socket, its bells and headers, and its lanes."""
 
     def __init__(self, sock: socket.socket, ident: int) -> None:
         self.wire = Wire(sock, receives_fds=False)  # workers send no descriptors
         self.ident = ident
         self.caller = ("process", ident)
         self.send_lock = threading.Lock()
-        self.inputs: dict[int, Slot] = {}  # by capacity: each new one is larger, and requests name theirs
-        self.outputs: Slot | None = None
+        self.requests_bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self.replies_bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        headers, self.headers_fd = Headers.create()
+        self.headers: Headers | None = headers
+        self.lanes: list[_Lane] = []
+        self.last_seq = [0] * MAX_LANES  # the last request taken from each lane (a bell rung twice is one request)
+        self.in_flight = 0  # requests accepted and not yet answered (under send_lock)
         self.varying = False
         self.alive = True
 
-    def send(self, message: Any, fd: int | None = None) -> None:
-        """Send ``message``, with the descriptor ``fd`` if any (closed here, sent or not)."""
+    def send(self, message: Any, fds: Sequence[int] = ()) -> None:
+        """Send ``message``, with the descriptors ``fds`` if any (closed here, sent or not)."""
         with self.send_lock:
-            self._send(message, fd)
+            self._send(message, fds)
 
-    def _send(self, message: Any, fd: int | None = None) -> None:
+    def _send(self, message: Any, fds: Sequence[int] = ()) -> None:
         try:
             if self.alive:
-                self.wire.send_frame(frame(message), fd)
+                self.wire.send_frame(frame(message), fds)
         except OSError:
             self.alive = False  # the worker is gone; the reader sees EOF too
         finally:
-            if fd is not None:
+            for fd in fds:
                 os.close(fd)
 
     def reply(self, request: ProcessRequest) -> None:
-        """Send ``request``'s outcome: its outputs through the output slot, or pickled."""
+        """Send ``request``'s outcome: its outputs in its lane, or over the socket."""
         with self.send_lock:
-            seq = request.seq
+            lane, seq = request.lane, request.seq
+            self.in_flight -= 1
+            if lane is not None:
+                lane.busy = False
             if request.error is not None:
-                self._send(("done", seq, _portable(request.error), None, None))
-            elif not request.into_slot:
-                self._send(("done", seq, None, list(request.values), list(request.keys)))  # pickled
+                self._send(("done", seq, _portable(request.error), None, None, None))
+            elif lane is None:
+                self._send(("done", seq, None, list(request.values), list(request.keys), None))  # pickled
             else:
                 try:
-                    self._reply(request)
+                    self._reply(request, lane)
                 except Exception as err:  # e.g. no memory for a slot: this request fails, not the batch
-                    self._send(("done", seq, _portable(err), None, None))
+                    self._send(("done", seq, _portable(err), None, None, None))
 
-    def _reply(self, request: ProcessRequest) -> None:
+    def _reply(self, request: ProcessRequest, lane: _Lane) -> None:
         values, keys, rows, shape = list(request.values), list(request.keys), request.rows, request.batch_shape
-        slot = self.outputs
-        if slot is None or not slot.fits(values, rows, shape):
-            if not all(isinstance(v, torch.Tensor) for v in values):
-                self._send(("done", request.seq, None, values, keys))  # non-tensor outputs: pickled
-                return
-            dims = len(shape)
-            capacity = max(rows, slot.capacity if slot is not None else 1)
-            slot, fd = Slot.create([(k, v.dtype, tuple(v.shape[dims:])) for k, v in zip(keys, values)], capacity)
-            self.outputs = slot
-            self._send(("slot", "out", *slot.describe()), fd=fd)
-        slot.write(values, rows, shape)  # copy_ brings device values over
-        self._send(("done", request.seq, None, None, None))
+        slot = lane.outputs
+        if slot is not None and slot.fits(values, rows, shape):
+            slot.write(values, rows, shape)  # copy_ brings device values over
+            try:
+                if self.alive:
+                    os.eventfd_write(self.replies_bell, 1 << lane.index)
+            except OSError:  # a client that rang a lane twice overflowed its bell: it gets nothing more
+                self.alive = False
+            return
+        if not all(isinstance(v, torch.Tensor) and v.layout is torch.strided for v in values):
+            self._send(("done", request.seq, None, values, keys, None))  # non-tensor outputs: pickled
+            return
+        # The lane's first outputs (or of a new shape): a new output slot comes with this reply.
+        specs = [(k, v.dtype, tuple(v.shape[len(shape) :])) for k, v in zip(keys, values)]
+        slot, fd = Slot.create(specs, lane.inputs.capacity)
+        slot.write(values, rows, shape)
+        lane.outputs = slot
+        self._send(("done", request.seq, None, None, None, slot.describe()), fds=[fd])
+
+    def close(self) -> None:
+        """Close every descriptor (the caller holds ``send_lock`` or is the only thread left)."""
+        self.alive = False
+        for close in (self.wire.close, lambda: os.close(self.requests_bell), lambda: os.close(self.replies_bell)):
+            try:
+                close()
+            except OSError:
+                pass
 
 
 class ProcessRequest(Request):
-    """A request from a worker process; its outcome goes back over the client's socket."""
+    """A request from a worker process; its outcome goes back through its lane or the client's socket."""
 
-    __slots__ = ("client", "into_slot", "seq")
+    __slots__ = ("client", "lane", "seq")
 
-    def __init__(self, *args: Any, client: _Client, seq: int, into_slot: bool = False) -> None:
+    def __init__(self, *args: Any, client: _Client, seq: int, lane: _Lane | None = None) -> None:
         super().__init__(*args)
         self.client = client
         self.seq = seq
-        self.into_slot = into_slot  # its inputs are in the client's slot, and its outputs go there
+        self.lane = lane  # where its inputs are and its outputs go (None: pickled both ways)
 
     def claim(self) -> bool:
         return not self.done and self.client.alive
@@ -200,6 +257,7 @@ class ProcessHub:
         self._lock = threading.Lock()
         self._pending: list[_Client] = []
         self._clients: dict[int, _Client] = {}
+        self.arrived = {"lane": 0, "socket": 0}  # requests accepted, by how they came (written by the reader only)
         self._next_id = 0
         self._closed = False
         _HUBS.add(self)
@@ -230,6 +288,7 @@ class ProcessHub:
 
     def _handshake(self, sock: socket.socket) -> None:
         """Admit ``sock`` if it sends the key within ``HANDSHAKE_TIMEOUT``; else drop it."""
+        client = None
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
             key = b""
@@ -241,16 +300,24 @@ class ProcessHub:
             if not hmac.compare_digest(key, self.authkey):
                 raise OSError("wrong authkey")
             sock.sendall(b"\x01")
+            with self._lock:
+                self._next_id += 1
+                client = _Client(sock, self._next_id)
+            client.wire.send(("bells",), fds=[client.headers_fd, client.requests_bell, client.replies_bell])
         except OSError:
+            if client is not None:
+                client.close()
             sock.close()
             return
+        finally:
+            if client is not None:
+                os.close(client.headers_fd)  # the mapping keeps the memory
         with self._lock:
-            if self._closed:
-                sock.close()
+            if not self._closed:
+                self._pending.append(client)
+                os.write(self._wake_w, b"x")
                 return
-            self._next_id += 1
-            self._pending.append(_Client(sock, self._next_id))
-        os.write(self._wake_w, b"x")
+        client.close()
 
     def _knock(self) -> None:
         """End the accept thread's ``accept()``: closing the listening socket does not (Linux)."""
@@ -272,25 +339,72 @@ class ProcessHub:
                         return
                     for client in self._pending:
                         self._clients[client.ident] = client
-                        selector.register(client.wire, selectors.EVENT_READ, client)
+                        selector.register(client.wire, selectors.EVENT_READ, (client, self._read))
+                        selector.register(client.requests_bell, selectors.EVENT_READ, (client, self._rung))
                     self._pending.clear()
-                for key, _ in selector.select():
-                    client = key.data
-                    if client is None:
+                for key, _ in selector.select():  # rung, written to, hung up, or woken
+                    if key.data is None:
                         os.read(self._wake_r, 4096)
-                    elif not self._read(client):
+                        continue
+                    client, handle = key.data
+                    if client.ident not in self._clients:
+                        continue  # dropped a moment ago, when its other descriptor was ready
+                    if not (client.alive and handle(client)):  # gone (or a reply found it gone)
                         selector.unregister(client.wire)
+                        selector.unregister(client.requests_bell)
                         self._drop(client)
         except BaseException:
             _log.exception("the process hub's reader died")  # only a bug gets here
         finally:
             selector.close()
 
+    def _rung(self, client: _Client) -> bool:
+        """Take in the requests of every lane ``client`` rang since the last time."""
+        try:
+            bits = os.eventfd_read(client.requests_bell)
+        except BlockingIOError:
+            return True
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            self._from_lane(client, low.bit_length() - 1)
+        return True
+
+    def _from_lane(self, client: _Client, index: int) -> None:
+        seq = 0
+        try:
+            if index >= len(client.lanes):
+                raise BadRequestError(f"the client rang lane {index}; it has {len(client.lanes)}")
+            lane, headers = client.lanes[index], client.headers
+            assert headers is not None  # (a dropped client is never read)
+            seq = headers.seq(index)
+            if seq <= client.last_seq[index] or lane.busy:
+                return  # rung twice for one request (a bug of the client's): taken once
+            _, rows, batch_shape, mode = headers.read(index)
+            if rows > lane.inputs.capacity or rows != math.prod(batch_shape):
+                raise BadRequestError(
+                    f"lane {index}: {rows} rows of batch shape {list(batch_shape)}; it holds {lane.inputs.capacity}"
+                )
+            client.last_seq[index] = seq
+            # Views of the lane: the client writes it again only once this request is answered.
+            td = TensorDict(dict(zip(lane.inputs.keys, lane.inputs.views(rows, batch_shape))), batch_size=batch_shape)
+            request = self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq, lane=lane)
+            lane.busy = True  # until its reply (which a cache hit sends from put() itself)
+            try:
+                self._queue(client, request)
+            except BaseException:
+                lane.busy = False
+                raise
+            self.arrived["lane"] += 1
+        except BaseException as err:  # whatever the lane held, it fails this request only
+            if seq:
+                client.send(("done", seq, _portable(err), None, None, None))
+            else:
+                _log.error("worker client %d rang lane %d with no request in it: %r", client.ident, index, err)
+
     def _read(self, client: _Client) -> bool:
         """Handle what ``client`` sent; False once it is gone (or sent what is not a message)."""
         try:
-            if not client.alive:  # a reply found it gone
-                return False
             messages = client.wire.read()
         except (EOFError, OSError):
             return False
@@ -303,61 +417,58 @@ class ProcessHub:
 
     def _handle(self, client: _Client, message: Any) -> None:
         try:
-            _, seq, rows, batch_shape, interaction, payload, into_slot = message
+            _, seq, interaction, payload = message
         except (TypeError, ValueError):
             _log.error("malformed message from worker client %d: %r", client.ident, message)
             return
         try:
             mode = None if interaction is None else _MODES[interaction]
-            if payload is not None:
-                td = pickle.loads(payload)
-                request = self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq)
-                self._offer_slot(client, request)
-            elif into_slot:  # the capacity of the input slot its inputs are in
-                request = self._from_slot(client, seq, rows, tuple(batch_shape), mode, into_slot)
-            else:
-                raise BadRequestError("the request came with neither its inputs nor a slot")
-            self._intake.put(request)
+            td = pickle.loads(payload)
+            request = self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq)
+            self._queue(client, request, offer=True)
+            self.arrived["socket"] += 1
         except BaseException as err:  # whatever the message did, it fails this request only
-            client.send(("done", seq, _portable(err), None, None))
+            client.send(("done", seq, _portable(err), None, None, None))
 
-    def _from_slot(self, client: _Client, seq: int, rows: int, batch_shape: tuple, mode: Any, capacity: int) -> Request:
-        slot = client.inputs.get(capacity)
-        if slot is None:
-            raise BadRequestError("the client wrote to a slot it was never given")
-        if rows > slot.capacity:
-            raise BadRequestError(f"the request has {rows} rows; the client's slot holds {slot.capacity}")
-        # Views of the slot: the client writes it again only once this request is answered.
-        td = TensorDict(dict(zip(slot.keys, slot.views(rows, batch_shape))), batch_size=batch_shape)
-        return self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq, into_slot=True)
+    def _queue(self, client: _Client, request: ProcessRequest, offer: bool = False) -> None:
+        """Count ``request`` in flight until its reply, and put it (``offer``: it came pickled)."""
+        with client.send_lock:
+            client.in_flight += 1
+        if offer:
+            self._offer_lane(client, request)
+        try:
+            self._intake.put(request)
+        except BaseException:
+            with client.send_lock:
+                client.in_flight -= 1
+            raise
 
-    def _offer_slot(self, client: _Client, request: Request) -> None:
-        """A request came with its tensors: give the client a slot for the next ones."""
-        inputs = request.inputs
-        if client.varying or not all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in inputs):
+    def _offer_lane(self, client: _Client, request: Request) -> None:
+        """A request came pickled: give the client a lane for the next ones, if it has fewer than it uses."""
+        inputs, shape = request.inputs, request.batch_shape
+        if client.varying or len(shape) > MAX_BATCH_DIMS or len(client.lanes) >= MAX_LANES:
+            return
+        if not all(isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_nested for v in inputs):
             return  # non-tensor or device inputs always travel pickled
-        dims = 1 if request.batch_shape else 0
+        dims = 1 if shape else 0
         specs = [(k, v.dtype, tuple(v.shape[dims:])) for k, v in zip(self._keys, inputs)]
-        old = client.inputs[max(client.inputs)] if client.inputs else None
-        if old is not None and old.specs() != specs:
+        lanes = client.lanes
+        if lanes and lanes[0].inputs.specs() != specs:
             client.varying = True  # variable-length inputs: one slot per length would cost more than it saves
             return
-        if old is not None and request.rows <= old.capacity:
-            return  # it came pickled because its slot was taken by another of the client's requests
-        # A larger slot; the older ones stay, since requests in flight may name them.
-        slot, fd = Slot.create(specs, max(request.rows, 2 * old.capacity if old is not None else 1))
-        client.inputs[slot.capacity] = slot
-        client.send(("slot", "in", *slot.describe()), fd=fd)
+        if sum(lane.inputs.capacity >= request.rows for lane in lanes) >= client.in_flight:
+            return  # as many lanes as requests in flight: it came pickled for a reason of its own
+        largest = max((lane.inputs.capacity for lane in lanes), default=0)
+        capacity = largest if request.rows <= largest else max(request.rows, 2 * largest)
+        slot, fd = Slot.create(specs, capacity)
+        lanes.append(_Lane(len(lanes), slot))
+        client.send(("lane", len(lanes) - 1, *slot.describe()), fds=[fd])
 
     def _drop(self, client: _Client) -> None:
-        self._clients.pop(client.ident, None)
         with client.send_lock:  # a reply being written finishes first; later ones see alive=False
-            client.alive = False
-            try:
-                client.wire.close()
-            except OSError:
-                pass
-        client.inputs, client.outputs = {}, None  # the memory goes with the last view
+            client.close()
+        client.lanes, client.headers = [], None  # the memory goes with the last view
+        self._clients.pop(client.ident, None)  # last: ``clients`` counts it until all of it is released
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -391,8 +502,7 @@ class ProcessHub:
         self._closed = True
         self._finalizer.detach()
         for client in list(self._clients.values()) + self._pending:
-            client.alive = False
-            client.wire.sock.close()
+            client.close()
         self._listener.close()
         for fd in (self._wake_r, self._wake_w):
             try:

@@ -1,4 +1,4 @@
-"""Shared-memory slots: one anonymous memory file per slot, tensors as views.
+"""Shared memory between a worker and the hub: slots of tensors, and request headers.
 
 A slot holds, for each key, a ``(capacity, *feature_shape)`` tensor. Its
 memory is an anonymous file (``memfd_create``): it has no name in
@@ -6,6 +6,10 @@ memory is an anonymous file (``memfd_create``): it has no name in
 client's Unix socket, and is freed by the kernel once both processes have
 unmapped it or died. Nothing can leak, whatever kills whom.
 
+:class:`Headers` holds, for each of a client's lanes (a pair of input and
+output slots, one request in flight on it), the request's sequence number,
+rows, batch shape and interaction type: what the socket message of a request
+would have said.
 """
 
 from __future__ import annotations
@@ -16,10 +20,27 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
+from tensordict.nn import InteractionType
 
-__all__ = ["Slot", "SlotField"]
+__all__ = ["MAX_BATCH_DIMS", "MAX_LANES", "Headers", "Slot", "SlotField"]
 
 _ALIGN = 64
+MAX_LANES = 63
+"""Lanes per client: each is one bit of a 64-bit eventfd counter (the kernel caps it below 2**64 - 1)."""
+MAX_BATCH_DIMS = 4
+"""Batch dims a header holds; a request with more travels pickled."""
+_WORDS = 4 + MAX_BATCH_DIMS  # seq, rows, batch dims, interaction, the batch shape
+_MODES = (None, *InteractionType)  # a header's interaction word indexes this
+
+
+def _memfd(name: str, size: int) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class SlotField(NamedTuple):
@@ -54,6 +75,7 @@ class Slot:
             nbytes = capacity * _row_bytes(f.dtype, f.feature)
             self.tensors[f.key] = raw[f.offset : f.offset + nbytes].view(f.dtype).view(capacity, *f.feature)
         self.keys = [f.key for f in self.fields]
+        self._views: dict[tuple, list[torch.Tensor]] = {}
 
     @classmethod
     def create(cls, specs: Sequence[tuple[Any, torch.dtype, tuple[int, ...]]], capacity: int) -> tuple[Slot, int]:
@@ -64,9 +86,8 @@ class Slot:
             offset += capacity * _row_bytes(dtype, tuple(feature))
             offset = (offset + _ALIGN - 1) // _ALIGN * _ALIGN
         size = max(offset, _ALIGN)
-        fd = os.memfd_create("torchrl_batchserve-slot", os.MFD_CLOEXEC)
+        fd = _memfd("torchrl_batchserve-slot", size)
         try:
-            os.ftruncate(fd, size)
             return cls(fields, capacity, size, fd), fd
         except BaseException:
             os.close(fd)
@@ -96,8 +117,18 @@ class Slot:
         return True
 
     def views(self, rows: int, batch_shape: Sequence[int]) -> list[torch.Tensor]:
-        """Each field's first ``rows`` rows shaped ``(*batch_shape, *feature)``: views of the shared memory."""
-        return [t[:rows].view((*batch_shape, *t.shape[1:])) for t in self.tensors.values()]
+        """Each field's first ``rows`` rows shaped ``(*batch_shape, *feature)``: views of the shared memory.
+
+        The same view objects come back for the same shape (a request, then
+        the next on the same lane): read or write them, never resize them.
+        """
+        shape = (rows, *batch_shape)
+        views = self._views.get(shape)
+        if views is None:
+            if len(self._views) >= 16:  # a worker of many batch shapes: keep the memory bounded
+                self._views.clear()
+            views = self._views[shape] = [t[:rows].view((*batch_shape, *t.shape[1:])) for t in self.tensors.values()]
+        return views
 
     def write(self, values: Sequence[torch.Tensor], rows: int, batch_shape: Sequence[int]) -> None:
         """Copy ``values`` (that :meth:`fits` accepted) into the first ``rows`` rows."""
@@ -110,3 +141,50 @@ class Slot:
 
     def specs(self) -> list[tuple[Any, torch.dtype, tuple[int, ...]]]:
         return [(f.key, f.dtype, f.feature) for f in self.fields]
+
+
+class Headers:
+    """The request header of each of a client's lanes, as int64 words in one shared memory file.
+
+    The client writes a lane's header before it rings the hub for that lane;
+    the hub reads it after the ring (the eventfd's read and write order them).
+    """
+
+    SIZE = MAX_LANES * _WORDS * 8
+
+    def __init__(self, fd: int) -> None:
+        self._mmap = mmap.mmap(fd, self.SIZE)
+        self._words = memoryview(self._mmap).cast("q")
+
+    @classmethod
+    def create(cls) -> tuple[Headers, int]:
+        fd = _memfd("torchrl_batchserve-headers", cls.SIZE)
+        try:
+            return cls(fd), fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, fd: int) -> Headers:
+        try:
+            return cls(fd)
+        finally:
+            os.close(fd)
+
+    def write(self, lane: int, seq: int, rows: int, batch_shape: Sequence[int], interaction: Any) -> None:
+        """``batch_shape`` has at most :data:`MAX_BATCH_DIMS` dims; ``interaction`` an InteractionType or None."""
+        base = lane * _WORDS
+        for i, word in enumerate((seq, rows, len(batch_shape), _MODES.index(interaction), *batch_shape)):
+            self._words[base + i] = word
+
+    def seq(self, lane: int) -> int:
+        return self._words[lane * _WORDS]
+
+    def read(self, lane: int) -> tuple[int, int, tuple[int, ...], Any]:
+        """``(seq, rows, batch_shape, interaction)``; ``ValueError`` if the words are not a header."""
+        base = lane * _WORDS
+        seq, rows, dims, mode = self._words[base : base + 4].tolist()
+        if not (0 <= dims <= MAX_BATCH_DIMS and 0 <= mode < len(_MODES) and rows >= 0):
+            raise ValueError(f"lane {lane}: not a request header ({dims} dims, mode {mode}, {rows} rows)")
+        return seq, rows, tuple(self._words[base + 4 : base + 4 + dims].tolist()), _MODES[mode]

@@ -1,8 +1,10 @@
-"""Whole messages over a Unix stream socket, with a descriptor when one comes along.
+"""Whole messages over a Unix stream socket, with descriptors when some come along.
 
 A message is a frame: a 4-byte big-endian length, then the pickled payload.
-A descriptor (a slot's memory file) travels in the same ``sendmsg`` as the
-frame that announces it, so a frame and its descriptor are never read apart.
+Descriptors (a slot's memory file, a client's eventfds) travel in the same
+``sendmsg`` as the frame that announces them, so a frame and its descriptors
+are never read apart (the kernel ends a read at a message that carries
+descriptors).
 One read takes whatever frames have arrived; a partial frame is kept for the
 next read.
 
@@ -21,12 +23,14 @@ import select
 import socket
 import struct
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["Wire", "frame"]
 
 _HEADER = struct.Struct("!i")
-_FDS = socket.CMSG_SPACE(array.array("i", [0]).itemsize)
+MAX_FDS = 3
+_FDS = socket.CMSG_SPACE(MAX_FDS * array.array("i", [0]).itemsize)
 _CHUNK = 1 << 16
 
 
@@ -61,17 +65,18 @@ class Wire:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send_frame(self, data: bytes, fd: int | None = None) -> None:
-        """Send a framed message; ``fd`` goes with its first byte (``SCM_RIGHTS``)."""
-        if fd is None:
+    def send_frame(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        """Send a framed message; ``fds`` (at most :data:`MAX_FDS`) go with its first byte (``SCM_RIGHTS``)."""
+        if not fds:
             self.sock.sendall(data)
             return
-        sent = self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        assert len(fds) <= MAX_FDS
+        sent = self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         if sent < len(data):
             self.sock.sendall(data[sent:])
 
-    def send(self, message: Any, fd: int | None = None) -> None:
-        self.send_frame(frame(message), fd)
+    def send(self, message: Any, fds: Sequence[int] = ()) -> None:
+        self.send_frame(frame(message), fds)
 
     def read(self) -> list[Any]:
         """Read once (blocks only if nothing has arrived); return the messages completed.
@@ -108,7 +113,7 @@ class Wire:
         return inbox.popleft()
 
     def take_fd(self) -> int:
-        """The next descriptor received (one came with each message that announces one)."""
+        """The next descriptor received (they come with the messages that announce them, in order)."""
         if not self._fds:
             raise EOFError("a message announced a descriptor that did not come")
         return self._fds.popleft()
