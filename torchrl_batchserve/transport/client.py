@@ -29,7 +29,7 @@ from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, Server
 from torchrl_batchserve.layout import entry
 from torchrl_batchserve.request import write_outputs
 from torchrl_batchserve.transport.hub import HANDSHAKE_TIMEOUT
-from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Slot
+from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Lane, Slot
 from torchrl_batchserve.transport.wire import Wire
 
 __all__ = ["ProcessClient"]
@@ -43,16 +43,6 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
-
-
-class _Lane:
-    __slots__ = ("index", "inputs", "outputs", "seq")
-
-    def __init__(self, index: int, inputs: Slot) -> None:
-        self.index = index
-        self.inputs = inputs
-        self.outputs: Slot | None = None
-        self.seq: int | None = None  # the request on it, from its ring until its reply is read
 
 
 class ProcessClient:
@@ -85,11 +75,11 @@ class ProcessClient:
         self._conn: Wire | None = None
         self._headers: Headers | None = None
         self._bells: tuple[int, int] | None = None  # (requests, replies)
-        self._lanes: list[_Lane] = []
+        self._lanes: list[Lane] = []
         self._closed = False
         self._failure: BaseException | None = None  # what every waiter gets once the server is gone
         self._seq = 0
-        self._waiting: dict[int, tuple[int, tuple[int, ...], _Lane | None]] = {}  # seq -> (rows, shape, lane)
+        self._waiting: dict[int, tuple[int, tuple[int, ...], Lane | None]] = {}  # seq -> (rows, shape, lane)
         self._replies: dict[int, tuple[Any, Any, Any]] = {}  # seq -> (error, keys, values)
         self._reading = False
         self._executor: ThreadPoolExecutor | None = None
@@ -165,7 +155,7 @@ class ProcessClient:
         write_outputs(td, keys, values)
         return td
 
-    def _free_lane(self, inputs: list[Any], rows: int, batch_shape: tuple[int, ...]) -> _Lane | None:
+    def _free_lane(self, inputs: list[Any], rows: int, batch_shape: tuple[int, ...]) -> Lane | None:
         """The smallest free lane that ``inputs`` fit (the caller holds the lock)."""
         if len(batch_shape) > MAX_BATCH_DIMS:
             return None
@@ -250,7 +240,7 @@ class ProcessClient:
         if kind == "lane":
             _, index, fields, capacity, size = message
             assert index == len(self._lanes), "lanes are offered in order"
-            self._lanes.append(_Lane(index, Slot.attach(fields, capacity, size, conn.take_fd())))
+            self._lanes.append(Lane(index, Slot.attach(fields, capacity, size, conn.take_fd())))
             return
         if kind == "closed":
             self._closed = True

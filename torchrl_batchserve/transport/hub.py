@@ -11,8 +11,8 @@ client writes a request into a free lane and rings its **request bell**, an
 eventfd, adding the lane's bit (``1 << lane``). The hub's reader thread waits
 on every client's bell and socket in one ``epoll``; one read of a bell
 returns every lane rung since the last read, so a client pays the server one
-system call per pass, however many of its requests it brings, and a server
-that is busy is woken by nobody. The serve loop writes a lane's outputs in
+system call per pass, however many of its requests it brings, and bells rung
+while the reader is at work wake nobody. The serve loop writes a lane's outputs in
 place and rings the client's **reply bell** with the lane's bit. The bells'
 reads and writes order the shared memory between the two processes (the
 kernel's lock on the eventfd), on any CPU. No socket message crosses per
@@ -87,7 +87,7 @@ from tensordict.nn import InteractionType
 from torchrl_batchserve.errors import BadRequestError
 from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.request import Request
-from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Slot
+from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot
 from torchrl_batchserve.transport.wire import Wire, frame
 
 __all__ = ["HANDSHAKE_TIMEOUT", "ProcessHub", "ProcessRequest"]
@@ -108,18 +108,6 @@ def _portable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-class _Lane:
-    """One request slot of a client: its inputs, its outputs once known, and whether a request holds it."""
-
-    __slots__ = ("busy", "index", "inputs", "outputs")
-
-    def __init__(self, index: int, inputs: Slot) -> None:
-        self.index = index
-        self.inputs = inputs
-        self.outputs: Slot | None = None
-        self.busy = False  # from the ring that brought its request to the reply
-
-
 class _Client:
     """A connected worker: its socket, its bells and headers, and its lanes."""
 
@@ -132,7 +120,7 @@ class _Client:
         self.replies_bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         headers, self.headers_fd = Headers.create()
         self.headers: Headers | None = headers
-        self.lanes: list[_Lane] = []
+        self.lanes: list[Lane] = []
         self.last_seq = [0] * MAX_LANES  # the last request taken from each lane (a bell rung twice is one request)
         self.in_flight = 0  # requests accepted and not yet answered (under send_lock)
         self.varying = False
@@ -159,7 +147,7 @@ class _Client:
             lane, seq = request.lane, request.seq
             self.in_flight -= 1
             if lane is not None:
-                lane.busy = False
+                lane.seq = None
             if request.error is not None:
                 self._send(("done", seq, _portable(request.error), None, None, None))
             elif lane is None:
@@ -170,7 +158,7 @@ class _Client:
                 except Exception as err:  # e.g. no memory for a slot: this request fails, not the batch
                     self._send(("done", seq, _portable(err), None, None, None))
 
-    def _reply(self, request: ProcessRequest, lane: _Lane) -> None:
+    def _reply(self, request: ProcessRequest, lane: Lane) -> None:
         values, keys, rows, shape = list(request.values), list(request.keys), request.rows, request.batch_shape
         slot = lane.outputs
         if slot is not None and slot.fits(values, rows, shape):
@@ -206,7 +194,7 @@ class ProcessRequest(Request):
 
     __slots__ = ("client", "lane", "seq")
 
-    def __init__(self, *args: Any, client: _Client, seq: int, lane: _Lane | None = None) -> None:
+    def __init__(self, *args: Any, client: _Client, seq: int, lane: Lane | None = None) -> None:
         super().__init__(*args)
         self.client = client
         self.seq = seq
@@ -378,7 +366,7 @@ class ProcessHub:
             lane, headers = client.lanes[index], client.headers
             assert headers is not None  # (a dropped client is never read)
             seq = headers.seq(index)
-            if seq <= client.last_seq[index] or lane.busy:
+            if seq <= client.last_seq[index] or lane.seq is not None:
                 return  # rung twice for one request (a bug of the client's): taken once
             _, rows, batch_shape, mode = headers.read(index)
             if rows > lane.inputs.capacity or rows != math.prod(batch_shape):
@@ -389,11 +377,11 @@ class ProcessHub:
             # Views of the lane: the client writes it again only once this request is answered.
             td = TensorDict(dict(zip(lane.inputs.keys, lane.inputs.views(rows, batch_shape))), batch_size=batch_shape)
             request = self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq, lane=lane)
-            lane.busy = True  # until its reply (which a cache hit sends from put() itself)
+            lane.seq = seq  # until its reply (which a cache hit sends from put() itself)
             try:
                 self._queue(client, request)
             except BaseException:
-                lane.busy = False
+                lane.seq = None
                 raise
             self.arrived["lane"] += 1
         except BaseException as err:  # whatever the lane held, it fails this request only
@@ -461,7 +449,7 @@ class ProcessHub:
         largest = max((lane.inputs.capacity for lane in lanes), default=0)
         capacity = largest if request.rows <= largest else max(request.rows, 2 * largest)
         slot, fd = Slot.create(specs, capacity)
-        lanes.append(_Lane(len(lanes), slot))
+        lanes.append(Lane(len(lanes), slot))
         client.send(("lane", len(lanes) - 1, *slot.describe()), fds=[fd])
 
     def _drop(self, client: _Client) -> None:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict.nn import InteractionType
 
-__all__ = ["MAX_BATCH_DIMS", "MAX_LANES", "Headers", "Slot", "SlotField"]
+__all__ = ["MAX_BATCH_DIMS", "MAX_LANES", "Headers", "Lane", "Slot", "SlotField"]
 
 _ALIGN = 64
 MAX_LANES = 63
@@ -141,6 +141,18 @@ class Slot:
 
     def specs(self) -> list[tuple[Any, torch.dtype, tuple[int, ...]]]:
         return [(f.key, f.dtype, f.feature) for f in self.fields]
+
+
+class Lane:
+    """One request slot of a client, on either side: its input slot, its output slot once known, its request."""
+
+    __slots__ = ("index", "inputs", "outputs", "seq")
+
+    def __init__(self, index: int, inputs: Slot) -> None:
+        self.index = index
+        self.inputs = inputs
+        self.outputs: Slot | None = None
+        self.seq: int | None = None  # the request on it (the client's: until its reply is read; the hub's: replied)
 
 
 class Headers:
