@@ -26,8 +26,8 @@ class RemotePolicy(TensorDictModuleBase):
     the outputs take its shape back).
 
     It survives pickling (spawn, forkserver, fork): each unpickled copy is a
-    client of its own that reaches the server through a Unix socket and
-    shared-memory slots (:mod:`torchrl_batchserve.transport.hub`), so one
+    client of its own that reaches the server through shared-memory lanes,
+    eventfds and a Unix socket (:mod:`torchrl_batchserve.transport.hub`), so one
     policy can be handed to any number of worker processes, e.g. as the
     policy of ``MultiSyncCollector``. A copy inherited by ``fork`` without
     pickling does the same.
