@@ -223,9 +223,8 @@ class ProcessClient:
     def _complete(self, seq: int, error: Any, keys: Any, values: Any) -> None:
         """Hand ``seq`` its reply (``values`` ``None``: in its lane's output slot) and free its lane."""
         waits = seq in self._waiting  # (not: an interrupted call's)
-        rows, shape, lane = self._waiting[seq] if waits else (0, (), None)
-        if lane is None:  # pickled both ways, or nobody waits for it
-            lane = next((x for x in self._lanes if x.seq == seq), None)
+        rows, shape, _ = self._waiting[seq] if waits else (0, (), None)
+        lane = self._lane_of(seq)
         if error is None and values is None and lane is not None and waits:
             keys, values = lane.outputs.keys, lane.outputs.read(rows, shape)  # type: ignore[union-attr]
         if lane is not None and lane.seq == seq:
@@ -233,6 +232,13 @@ class ProcessClient:
         if waits:
             self._replies[seq] = (error, keys, values)
             self._cond.notify_all()
+
+    def _lane_of(self, seq: int) -> Lane | None:
+        """The lane ``seq`` is on (``None``: it travels pickled), whether or not its caller still waits."""
+        waiting = self._waiting.get(seq)
+        if waiting is not None:
+            return waiting[2]
+        return next((lane for lane in self._lanes if lane.seq == seq), None)
 
     def _dispatch(self, conn: Wire, message: Any) -> None:
         """Take in one message from the hub (the reader holds the lock)."""
@@ -250,7 +256,7 @@ class ProcessClient:
         if out is not None:  # the lane's new output slot, its outputs in it
             fields, capacity, size = out
             slot = Slot.attach(fields, capacity, size, conn.take_fd())
-            lane = next((x for x in self._lanes if x.seq == seq), None)
+            lane = self._lane_of(seq)
             if lane is not None:
                 lane.outputs = slot
         self._complete(seq, error, keys, values)

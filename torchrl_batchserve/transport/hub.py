@@ -121,7 +121,6 @@ class _Client:
         headers, self.headers_fd = Headers.create()
         self.headers: Headers | None = headers
         self.lanes: list[Lane] = []
-        self.last_seq = [0] * MAX_LANES  # the last request taken from each lane (a bell rung twice is one request)
         self.in_flight = 0  # requests accepted and not yet answered (under send_lock)
         self.varying = False
         self.alive = True
@@ -146,8 +145,6 @@ class _Client:
         with self.send_lock:
             lane, seq = request.lane, request.seq
             self.in_flight -= 1
-            if lane is not None:
-                lane.seq = None
             if request.error is not None:
                 self._send(("done", seq, _portable(request.error), None, None, None))
             elif lane is None:
@@ -366,23 +363,18 @@ class ProcessHub:
             lane, headers = client.lanes[index], client.headers
             assert headers is not None  # (a dropped client is never read)
             seq = headers.seq(index)
-            if seq <= client.last_seq[index] or lane.seq is not None:
+            if seq <= (lane.seq or 0):
                 return  # rung twice for one request (a bug of the client's): taken once
             _, rows, batch_shape, mode = headers.read(index)
             if rows > lane.inputs.capacity or rows != math.prod(batch_shape):
                 raise BadRequestError(
                     f"lane {index}: {rows} rows of batch shape {list(batch_shape)}; it holds {lane.inputs.capacity}"
                 )
-            client.last_seq[index] = seq
+            lane.seq = seq  # the last request taken from this lane
             # Views of the lane: the client writes it again only once this request is answered.
             td = TensorDict(dict(zip(lane.inputs.keys, lane.inputs.views(rows, batch_shape))), batch_size=batch_shape)
             request = self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq, lane=lane)
-            lane.seq = seq  # until its reply (which a cache hit sends from put() itself)
-            try:
-                self._queue(client, request)
-            except BaseException:
-                lane.seq = None
-                raise
+            self._queue(client, request)
             self.arrived["lane"] += 1
         except BaseException as err:  # whatever the lane held, it fails this request only
             if seq:
@@ -413,17 +405,16 @@ class ProcessHub:
             mode = None if interaction is None else _MODES[interaction]
             td = pickle.loads(payload)
             request = self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq)
-            self._queue(client, request, offer=True)
+            self._queue(client, request)
             self.arrived["socket"] += 1
+            self._offer_lane(client, request)
         except BaseException as err:  # whatever the message did, it fails this request only
             client.send(("done", seq, _portable(err), None, None, None))
 
-    def _queue(self, client: _Client, request: ProcessRequest, offer: bool = False) -> None:
-        """Count ``request`` in flight until its reply, and put it (``offer``: it came pickled)."""
+    def _queue(self, client: _Client, request: ProcessRequest) -> None:
+        """Count ``request`` in flight until its reply, and put it."""
         with client.send_lock:
             client.in_flight += 1
-        if offer:
-            self._offer_lane(client, request)
         try:
             self._intake.put(request)
         except BaseException:

@@ -152,7 +152,8 @@ class Lane:
         self.index = index
         self.inputs = inputs
         self.outputs: Slot | None = None
-        self.seq: int | None = None  # the request on it (the client's: until its reply is read; the hub's: replied)
+        # The client's: the request on it, until its reply is read. The hub's: the last request taken from it.
+        self.seq: int | None = None
 
 
 class Headers:
