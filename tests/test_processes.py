@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import gc
 import multiprocessing as mp
@@ -573,3 +574,92 @@ def test_threads_and_tasks_of_one_worker_share_its_remote_policy_and_batch_toget
     with torch.no_grad():
         for obs, logits in out:
             torch.testing.assert_close(torch.tensor(logits), net(torch.tensor(obs)))
+
+
+class _Holdable(torch.nn.Module):
+    """Serves at once until ``hold`` is set; then each forward waits for ``release``."""
+
+    def __init__(self, net: nn.Module, hold: threading.Event, entered: threading.Event, release: threading.Event):
+        super().__init__()
+        self.net, self.hold, self.entered, self.release = net, hold, entered, release
+
+    def __deepcopy__(self, memo):
+        return type(self)(copy.deepcopy(self.net, memo), self.hold, self.entered, self.release)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        if self.hold.is_set():
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the forward"
+        return self.net(observation)
+
+
+def _tasks_on_lanes(tasks: int = 8):
+    """A server whose forwards can be held, a worker-side copy of its policy, and warm-up rounds of ``tasks``."""
+    hold, entered, release = threading.Event(), threading.Event(), threading.Event()
+    net = pw.make_net()
+    policy = TensorDictModule(_Holdable(net, hold, entered, release), in_keys=["observation"], out_keys=["logits"])
+    server = BatchedPolicyServer(policy, max_batch_size=64, timeout=0.005)
+    remote = pickle.loads(pickle.dumps(server.remote_policy()))  # a client of the hub, as in a worker
+
+    async def warm_up() -> None:
+        for _ in range(20):  # each round offers a lane to the tasks that found none free
+            calls = asyncio.gather(*(remote.acall(TensorDict(observation=torch.zeros(8))) for _ in range(tasks)))
+            await asyncio.wait_for(calls, 30)  # a reply nobody reads fails here, not by hanging
+            if len(remote._endpoint._lanes) >= tasks:
+                return
+        raise AssertionError("the hub never offered a lane per task")
+
+    asyncio.run(warm_up())
+    return server, remote, net, (hold, entered, release)
+
+
+def test_asyncio_tasks_wait_for_lane_replies_in_their_event_loop_and_a_cancelled_one_frees_its_lane():
+    server, remote, net, (hold, entered, release) = _tasks_on_lanes(8)
+    obs = [torch.randn(8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+
+    async def held_round() -> list:
+        before = server._hub.arrived["lane"]
+        hold.set()
+        tasks = [asyncio.create_task(remote.acall(TensorDict(observation=x))) for x in obs]
+        ticks = 0
+        while not (entered.is_set() and server._hub.arrived["lane"] - before == 8):
+            ticks += 1  # the loop runs on while every task waits for its reply
+            await asyncio.sleep(0.001)
+        tasks[0].cancel()
+        hold.clear()
+        release.set()
+        out = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 20)
+        again = await asyncio.wait_for(asyncio.gather(*(remote.acall(TensorDict(observation=x)) for x in obs)), 20)
+        return [ticks, out, again]
+
+    try:
+        ticks, out, again = asyncio.run(held_round())
+    finally:
+        release.set()
+        server.close()
+    assert ticks > 0 and isinstance(out[0], asyncio.CancelledError)
+    with torch.no_grad():
+        for x, td in zip(obs[1:], out[1:]):
+            torch.testing.assert_close(td["logits"], net(x))
+        for x, td in zip(obs, again):  # the cancelled task's lane serves the next request, its reply dropped
+            torch.testing.assert_close(td["logits"], net(x))
+
+
+def test_a_closing_server_fails_every_task_waiting_on_a_lane_promptly():
+    server, remote, _, (hold, entered, release) = _tasks_on_lanes(8)
+
+    async def closed_round() -> list:
+        before = server._hub.arrived["lane"]
+        hold.set()
+        tasks = [asyncio.create_task(remote.acall(TensorDict(observation=torch.zeros(8)))) for _ in range(8)]
+        while not (entered.is_set() and server._hub.arrived["lane"] - before == 8):
+            await asyncio.sleep(0.001)
+        server.close(wait=False, cancel_pending=True)
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+
+    try:
+        out = asyncio.run(closed_round())
+    finally:
+        release.set()
+        server.close(timeout=10)
+    assert all(isinstance(err, ServerClosedError) for err in out), out

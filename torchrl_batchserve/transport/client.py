@@ -8,6 +8,13 @@ serves any number of concurrent callers of that process, one lane each
 end-of-file when the server's process is gone; nothing waits forever. Each
 request has a sequence number, and a reply to an earlier, interrupted call
 is dropped.
+
+One waiter at a time is the *reader*: it polls for everyone and hands each
+reply to the caller of its ``seq``. A blocking caller reads while it waits;
+an asyncio task never does (its event loop must not block): it writes its
+request into a lane from the loop, and while only tasks wait, one thread of
+the client's pool reads and settles their futures, one
+``call_soon_threadsafe`` per event loop and pass.
 """
 
 from __future__ import annotations
@@ -79,9 +86,11 @@ class ProcessClient:
         self._closed = False
         self._failure: BaseException | None = None  # what every waiter gets once the server is gone
         self._seq = 0
-        self._waiting: dict[int, tuple[int, tuple[int, ...], Lane | None]] = {}  # seq -> (rows, shape, lane)
-        self._replies: dict[int, tuple[Any, Any, Any]] = {}  # seq -> (error, keys, values)
-        self._reading = False
+        # seq -> (rows, shape, lane, waiter) until answered; waiter: None for a thread, (loop, future) for a task
+        self._waiting: dict[int, tuple[int, tuple[int, ...], Lane | None, Any]] = {}
+        self._replies: dict[int, tuple[Any, Any, Any]] = {}  # seq -> (error, keys, values), for threads
+        self._settled: list[tuple[Any, tuple[Any, Any, Any]]] = []  # (waiter, reply) for tasks, not yet handed over
+        self._reading = False  # someone polls the bell and the socket for everyone
         self._executor: ThreadPoolExecutor | None = None
         self._release: Any = lambda: None  # closes the bells once connected
 
@@ -120,6 +129,47 @@ class ProcessClient:
 
     def call(self, td: TensorDictBase) -> TensorDictBase:
         """Serve ``td`` and block until its outputs are written into it."""
+        conn, seq = self._send(td)  # type: ignore[misc]
+        try:
+            error, keys, values = self._wait(conn, seq)
+        finally:
+            with self._cond:  # (interrupted: its reply is dropped when it comes)
+                self._waiting.pop(seq, None)
+                self._replies.pop(seq, None)
+        if error is not None:
+            raise error
+        write_outputs(td, keys, values)
+        return td
+
+    async def acall(self, td: TensorDictBase) -> TensorDictBase:
+        """``await``-able :meth:`call`; the event loop never waits on the server.
+
+        A request that fits a free lane is written from the loop, and its
+        reply comes back to the loop. Any other (the first, one that travels
+        pickled) is sent and awaited from a thread of the client's pool.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[Any, Any, Any]] = loop.create_future()
+        sent = self._send(td, (loop, future))
+        if sent is None:
+            return await asyncio.wrap_future(self.submit(td))
+        seq = sent[1]
+        try:
+            error, keys, values = await future
+        finally:
+            with self._cond:
+                self._waiting.pop(seq, None)  # (cancelled: its reply is dropped when it comes)
+        if error is not None:
+            raise error
+        write_outputs(td, keys, values)
+        return td
+
+    def _send(self, td: TensorDictBase, task: Any = None) -> tuple[Wire, int] | None:
+        """Send ``td``'s request and register its waiter; ``(connection, seq)``.
+
+        ``task``: the ``(loop, future)`` of an asyncio caller, which sends
+        only through a free lane of a connected client (``None`` otherwise).
+        """
         if not isinstance(td, TensorDictBase):
             raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
         batch_shape = tuple(td.batch_size)
@@ -127,10 +177,14 @@ class ProcessClient:
         inputs = [entry(td, key) for key in self.in_keys]
         mode = interaction_type()
         with self._cond:
+            if task is not None and (self._conn is None or self._closed):
+                return None  # connecting (or failing to) may block: the pool does it
             conn = self._connection()
+            lane = self._free_lane(inputs, rows, batch_shape)
+            if task is not None and lane is None:
+                return None
             self._seq += 1
             seq = self._seq
-            lane = self._free_lane(inputs, rows, batch_shape)
             try:
                 if lane is not None:
                     lane.inputs.write(inputs, rows, batch_shape)
@@ -144,16 +198,10 @@ class ProcessClient:
             except OSError as err:
                 self._closed = True
                 raise ServerClosedError(f"the server is closed or gone ({err})") from err
-            self._waiting[seq] = (rows, batch_shape, lane)
-        try:
-            error, keys, values = self._wait(conn, seq)
-        finally:
-            with self._cond:
-                self._waiting.pop(seq, None)
-        if error is not None:
-            raise error
-        write_outputs(td, keys, values)
-        return td
+            self._waiting[seq] = (rows, batch_shape, lane, task)
+            if task is not None and not self._reading:
+                self._start_reader(conn)
+        return conn, seq
 
     def _free_lane(self, inputs: list[Any], rows: int, batch_shape: tuple[int, ...]) -> Lane | None:
         """The smallest free lane that ``inputs`` fit (the caller holds the lock)."""
@@ -167,7 +215,7 @@ class ProcessClient:
         return best
 
     def _wait(self, conn: Wire, seq: int) -> tuple[Any, Any, Any]:
-        """The reply to ``seq``: from whoever waits on the bell and the socket, or waited for here."""
+        """The reply to ``seq``: read here, or handed over by whoever reads."""
         with self._cond:
             while True:
                 if seq in self._replies:
@@ -178,12 +226,32 @@ class ProcessClient:
                     self._reading = True
                     break
                 self._cond.wait()
+        self._read(conn, lambda: seq in self._replies)
+        with self._cond:
+            if seq in self._replies:
+                return self._replies.pop(seq)
+            raise self._failure  # type: ignore[misc]
+
+    def _start_reader(self, conn: Wire) -> None:
+        """Read for the asyncio tasks from a pool thread (the caller holds the lock; nobody reads)."""
+        self._reading = True
+        self._pool().submit(self._read, conn, lambda: not self._unanswered())
+
+    def _unanswered(self) -> list[Any]:
+        """The waiters (``None``: a thread) whose reply has not come yet."""
+        return [waiter for _, _, _, waiter in self._waiting.values()]
+
+    def _read(self, conn: Wire, done: Any) -> None:
+        """Be the reader until ``done()`` or the server is gone, then hand the role on."""
         bell = self._bells[1]  # type: ignore[index]
         ready = select.poll()
         ready.register(conn.fileno(), select.POLLIN)
         ready.register(bell, select.POLLIN)
         try:
             while True:
+                with self._cond:
+                    if done() or self._failure is not None:
+                        return
                 events = ready.poll()
                 try:
                     messages = conn.read() if any(fd != bell for fd, _ in events) else []
@@ -191,21 +259,36 @@ class ProcessClient:
                     failure = ServerBrokenError("the server's process ended while this request was in flight")
                     failure.__cause__ = err
                     with self._cond:
-                        self._closed, self._failure = True, failure
-                        self._cond.notify_all()
-                    raise failure from err
+                        self._fail(failure)
+                    return
                 with self._cond:
                     self._replied(bell)
                     for message in messages:
                         self._dispatch(conn, message)
-                    if seq in self._replies:
-                        return self._replies.pop(seq)
-                    if self._failure is not None:
-                        raise self._failure
+                    settled, self._settled = self._settled, []
+                _settle(settled)
+        except Exception as err:  # not a caller's interruption: nobody could read on
+            with self._cond:
+                self._fail(ServerBrokenError(f"reading the server's replies failed: {err!r}"))
+            raise
         finally:
             with self._cond:
                 self._reading = False
-                self._cond.notify_all()
+                left = self._unanswered()
+                if left and self._failure is None and all(waiter is not None for waiter in left):
+                    self._start_reader(conn)  # only tasks wait: they cannot read
+                settled, self._settled = self._settled, []
+                self._cond.notify_all()  # a waiting thread takes over the reading
+            _settle(settled)
+
+    def _fail(self, failure: BaseException) -> None:
+        """The server is gone or closed: every waiter gets ``failure`` (the caller holds the lock)."""
+        self._closed, self._failure = True, failure
+        for seq, (_, _, _, waiter) in list(self._waiting.items()):
+            if waiter is not None:
+                self._settled.append((waiter, (failure, None, None)))
+                del self._waiting[seq]
+        self._cond.notify_all()
 
     def _replied(self, bell: int) -> None:
         """Read out every lane the hub rang (the reader holds the lock)."""
@@ -223,13 +306,18 @@ class ProcessClient:
     def _complete(self, seq: int, error: Any, keys: Any, values: Any) -> None:
         """Hand ``seq`` its reply (``values`` ``None``: in its lane's output slot) and free its lane."""
         waits = seq in self._waiting  # (not: an interrupted call's)
-        rows, shape, _ = self._waiting[seq] if waits else (0, (), None)
+        rows, shape, _, task = self._waiting[seq] if waits else (0, (), None, None)
         lane = self._lane_of(seq)
         if error is None and values is None and lane is not None and waits:
             keys, values = lane.outputs.keys, lane.outputs.read(rows, shape)  # type: ignore[union-attr]
         if lane is not None and lane.seq == seq:
             lane.seq = None  # read out (or nobody waits): free for the next request
-        if waits:
+        if not waits:
+            return
+        del self._waiting[seq]  # answered: ``_waiting`` holds only who still waits
+        if task is not None:
+            self._settled.append((task, (error, keys, values)))
+        else:
             self._replies[seq] = (error, keys, values)
             self._cond.notify_all()
 
@@ -249,8 +337,7 @@ class ProcessClient:
             self._lanes.append(Lane(index, Slot.attach(fields, capacity, size, conn.take_fd())))
             return
         if kind == "closed":
-            self._closed = True
-            self._failure = ServerClosedError("the server was closed before this request ran")
+            self._fail(ServerClosedError("the server was closed before this request ran"))
             return
         _, seq, error, values, keys, out = message
         if out is not None:  # the lane's new output slot, its outputs in it
@@ -271,10 +358,6 @@ class ProcessClient:
         """Serve ``td`` from a thread of this client's pool; the Future resolves to it."""
         return self._pool().submit(self.call, td)
 
-    async def acall(self, td: TensorDictBase) -> TensorDictBase:
-        """``await``-able :meth:`call`: waits in the client's pool, never in the event loop."""
-        return await asyncio.wrap_future(self.submit(td))
-
     def close(self) -> None:
         with self._cond:
             self._close_descriptors()
@@ -293,6 +376,24 @@ class ProcessClient:
         if conn is not None:
             conn.sock.close()
         release()
+
+
+def _settle(settled: list[tuple[Any, tuple[Any, Any, Any]]]) -> None:
+    """Hand each task its reply in its event loop: one call per loop."""
+    by_loop: dict[Any, list[tuple[Any, Any]]] = {}
+    for (loop, future), reply in settled:
+        by_loop.setdefault(loop, []).append((future, reply))
+    for loop, replies in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_results, replies)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is left to wait
+
+
+def _set_results(replies: list[tuple[Any, Any]]) -> None:
+    for future, reply in replies:
+        if not future.done():  # (a cancelled task's)
+            future.set_result(reply)
 
 
 def _close_fds(fds: tuple[int, ...]) -> None:
