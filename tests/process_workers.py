@@ -175,7 +175,7 @@ def host_forking_workers(method: str, results: Any, info: Any, ready: Any) -> No
 
 
 def many_callers(remote: Any, mode: str, callers: int, per_caller: int, results: Any) -> None:
-    """``callers`` threads or asyncio tasks of this one process share ``remote``; reports (obs, logits) pairs."""
+    """``callers`` threads, asyncio tasks or submits in flight of this one process share ``remote``; reports (obs, logits)."""
     import asyncio
 
     torch.set_num_threads(1)
@@ -196,6 +196,12 @@ def many_callers(remote: Any, mode: str, callers: int, per_caller: int, results:
             t.start()
         for t in threads:
             t.join()
+    elif mode == "futures":  # one thread with ``callers`` submits in flight at a time
+        gens = [torch.Generator().manual_seed(seed) for seed in range(callers)]
+        for _ in range(per_caller):
+            futures = [remote.submit(TensorDict(observation=torch.randn(8, generator=g))) for g in gens]
+            for future in futures:
+                record(future.result(60))
     else:
 
         async def task(seed: int) -> None:

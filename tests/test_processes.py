@@ -554,8 +554,8 @@ def test_a_worker_of_a_server_process_that_dies_gets_broken_error_while_a_later_
     assert kind == "ServerBrokenError", message
 
 
-@pytest.mark.parametrize("mode, callers", [("threads", 8), ("tasks", 64)])
-def test_threads_and_tasks_of_one_worker_share_its_remote_policy_and_batch_together(mode, callers):
+@pytest.mark.parametrize("mode, callers", [("threads", 8), ("tasks", 64), ("futures", 16)])
+def test_threads_tasks_and_futures_of_one_worker_share_its_remote_policy_and_batch_together(mode, callers):
     net = pw.make_net()
     gated = GatedPolicy(net, block_first=1)
     with BatchedPolicyServer(gated, max_batch_size=64, timeout=0.01) as server:

@@ -11,10 +11,10 @@ is dropped.
 
 One waiter at a time is the *reader*: it polls for everyone and hands each
 reply to the caller of its ``seq``. A blocking caller reads while it waits;
-an asyncio task never does (its event loop must not block): it writes its
-request into a lane from the loop, and while only tasks wait, one thread of
-the client's pool reads and settles their futures, one
-``call_soon_threadsafe`` per event loop and pass.
+an asyncio task (its event loop must not block) and a ``submit`` (it returns
+at once) never do: they write their request into a lane, and while only they
+wait, one thread of the client's pool reads and settles their futures (a
+task's in its event loop, one ``call_soon_threadsafe`` per loop and pass).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import select
 import socket
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 from tensordict import TensorDictBase
@@ -86,10 +86,11 @@ class ProcessClient:
         self._closed = False
         self._failure: BaseException | None = None  # what every waiter gets once the server is gone
         self._seq = 0
-        # seq -> (rows, shape, lane, waiter) until answered; waiter: None for a thread, (loop, future) for a task
+        # seq -> (rows, shape, lane, waiter) until answered; waiter: None for a blocked thread, else
+        # (loop, future, td): an asyncio task's future and loop, or a submit's Future and None
         self._waiting: dict[int, tuple[int, tuple[int, ...], Lane | None, Any]] = {}
         self._replies: dict[int, tuple[Any, Any, Any]] = {}  # seq -> (error, keys, values), for threads
-        self._settled: list[tuple[Any, tuple[Any, Any, Any]]] = []  # (waiter, reply) for tasks, not yet handed over
+        self._settled: list[tuple[Any, tuple[Any, Any, Any]]] = []  # (waiter, reply) of futures, to settle
         self._reading = False  # someone polls the bell and the socket for everyone
         self._executor: ThreadPoolExecutor | None = None
         self._release: Any = lambda: None  # closes the bells once connected
@@ -149,26 +150,22 @@ class ProcessClient:
         pickled) is sent and awaited from a thread of the client's pool.
         """
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[tuple[Any, Any, Any]] = loop.create_future()
-        sent = self._send(td, (loop, future))
+        future: asyncio.Future[TensorDictBase] = loop.create_future()
+        sent = self._send(td, (loop, future, td))
         if sent is None:
-            return await asyncio.wrap_future(self.submit(td))
-        seq = sent[1]
+            return await asyncio.wrap_future(self._pool().submit(self.call, td))
         try:
-            error, keys, values = await future
+            return await future
         finally:
             with self._cond:
-                self._waiting.pop(seq, None)  # (cancelled: its reply is dropped when it comes)
-        if error is not None:
-            raise error
-        write_outputs(td, keys, values)
-        return td
+                self._waiting.pop(sent[1], None)  # (cancelled: its reply is dropped when it comes)
 
     def _send(self, td: TensorDictBase, task: Any = None) -> tuple[Wire, int] | None:
         """Send ``td``'s request and register its waiter; ``(connection, seq)``.
 
-        ``task``: the ``(loop, future)`` of an asyncio caller, which sends
-        only through a free lane of a connected client (``None`` otherwise).
+        ``task``: the waiter of a caller that does not block (an asyncio
+        task, a ``submit``), which sends only through a free lane of a
+        connected client (``None`` otherwise: the caller waits in :meth:`_wait`).
         """
         if not isinstance(td, TensorDictBase):
             raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
@@ -355,8 +352,15 @@ class ProcessClient:
             return self._executor
 
     def submit(self, td: TensorDictBase) -> Future[TensorDictBase]:
-        """Serve ``td`` from a thread of this client's pool; the Future resolves to it."""
-        return self._pool().submit(self.call, td)
+        """Send ``td``; the Future resolves to it with its outputs written.
+
+        Through a free lane it is sent at once and settled by the client's
+        reader; any other request is sent and waited for from a pool thread.
+        """
+        future: Future[TensorDictBase] = Future()
+        if self._send(td, (None, future, td)) is None:
+            return self._pool().submit(self.call, td)
+        return future
 
     def close(self) -> None:
         with self._cond:
@@ -379,10 +383,14 @@ class ProcessClient:
 
 
 def _settle(settled: list[tuple[Any, tuple[Any, Any, Any]]]) -> None:
-    """Hand each task its reply in its event loop: one call per loop."""
-    by_loop: dict[Any, list[tuple[Any, Any]]] = {}
-    for (loop, future), reply in settled:
-        by_loop.setdefault(loop, []).append((future, reply))
+    """Settle each waiter's future: a submit's here, a task's in its event loop (one call per loop)."""
+    by_loop: dict[Any, list[Any]] = {}
+    for waiter, reply in settled:
+        loop = waiter[0]
+        if loop is None:
+            _set_result(waiter, reply)
+        else:
+            by_loop.setdefault(loop, []).append((waiter, reply))
     for loop, replies in by_loop.items():
         try:
             loop.call_soon_threadsafe(_set_results, replies)
@@ -390,10 +398,29 @@ def _settle(settled: list[tuple[Any, tuple[Any, Any, Any]]]) -> None:
             pass  # the loop is closed: nobody is left to wait
 
 
-def _set_results(replies: list[tuple[Any, Any]]) -> None:
-    for future, reply in replies:
-        if not future.done():  # (a cancelled task's)
-            future.set_result(reply)
+def _set_results(replies: list[Any]) -> None:
+    for waiter, reply in replies:
+        _set_result(waiter, reply)
+
+
+def _set_result(waiter: tuple[Any, Any, TensorDictBase], reply: tuple[Any, Any, Any]) -> None:
+    """Resolve ``waiter``'s future to its TensorDict with the outputs written, or to the error."""
+    _, future, td = waiter
+    error, keys, values = reply
+    try:
+        if future.done():
+            return  # cancelled by its caller
+        if error is not None:
+            future.set_exception(error)
+            return
+        try:
+            write_outputs(td, keys, values)
+        except BaseException as err:  # a write into the caller's td failed
+            future.set_exception(err)
+        else:
+            future.set_result(td)
+    except InvalidStateError:
+        pass  # cancelled a moment ago: nobody waits
 
 
 def _close_fds(fds: tuple[int, ...]) -> None:
