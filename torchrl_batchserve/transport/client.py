@@ -64,10 +64,10 @@ class ProcessClient:
     Any number of threads and asyncio tasks of the worker may call it at
     once; their requests are in flight together and batch with everyone
     else's. Each request takes a free lane that fits it (or travels pickled,
-    and the hub offers a lane for the next). Whichever waiting thread finds
-    nobody waiting on the bell and the socket waits for all, and hands each
-    reply to the caller whose ``seq`` it carries; a reply nobody waits for (an
-    interrupted call) is dropped.
+    and the hub offers a lane for the next). One waiter reads for all (see
+    the module docstring) and hands each reply to the caller whose ``seq`` it
+    carries; a reply nobody waits for (an interrupted or cancelled call) is
+    dropped.
     """
 
     def __init__(self, address: str, authkey: bytes, in_keys: list[Any]) -> None:
@@ -174,9 +174,9 @@ class ProcessClient:
         inputs = [entry(td, key) for key in self.in_keys]
         mode = interaction_type()
         with self._cond:
-            if task is not None and (self._conn is None or self._closed):
-                return None  # connecting (or failing to) may block: the pool does it
-            conn = self._connection()
+            if task is not None and self._conn is None and not self._closed:
+                return None  # connecting may block: the pool does it
+            conn = self._connection()  # closed: ServerClosedError at once
             lane = self._free_lane(inputs, rows, batch_shape)
             if task is not None and lane is None:
                 return None
@@ -230,7 +230,7 @@ class ProcessClient:
             raise self._failure  # type: ignore[misc]
 
     def _start_reader(self, conn: Wire) -> None:
-        """Read for the asyncio tasks from a pool thread (the caller holds the lock; nobody reads)."""
+        """Read for the callers that do not block, from a pool thread (the caller holds the lock; nobody reads)."""
         self._reading = True
         self._pool().submit(self._read, conn, lambda: not self._unanswered())
 
@@ -273,7 +273,7 @@ class ProcessClient:
                 self._reading = False
                 left = self._unanswered()
                 if left and self._failure is None and all(waiter is not None for waiter in left):
-                    self._start_reader(conn)  # only tasks wait: they cannot read
+                    self._start_reader(conn)  # only tasks and futures wait: they cannot read
                 settled, self._settled = self._settled, []
                 self._cond.notify_all()  # a waiting thread takes over the reading
             _settle(settled)
