@@ -663,3 +663,23 @@ def test_a_closing_server_fails_every_task_waiting_on_a_lane_promptly():
         release.set()
         server.close(timeout=10)
     assert all(isinstance(err, ServerClosedError) for err in out), out
+
+
+def test_a_submitted_futures_callback_may_call_the_policy_again():
+    server, remote, net, (hold, entered, release) = _tasks_on_lanes(1)
+    x, y = torch.randn(8), torch.randn(8)
+    again: queue.Queue = queue.Queue()
+    try:
+        hold.set()
+        future = remote.submit(TensorDict(observation=x))  # through the lane
+        assert entered.wait(20)
+        hold.clear()
+        future.add_done_callback(lambda f: again.put(remote(TensorDict(observation=y))))  # runs when it settles
+        release.set()
+        td = again.get(timeout=20)  # not a reader waiting on itself
+    finally:
+        release.set()
+        server.close()
+    with torch.no_grad():
+        torch.testing.assert_close(future.result(0)["logits"], net(x))
+        torch.testing.assert_close(td["logits"], net(y))

@@ -13,8 +13,10 @@ One waiter at a time is the *reader*: it polls for everyone and hands each
 reply to the caller of its ``seq``. A blocking caller reads while it waits;
 an asyncio task (its event loop must not block) and a ``submit`` (it returns
 at once) never do: they write their request into a lane, and while only they
-wait, one thread of the client's pool reads and settles their futures (a
-task's in its event loop, one ``call_soon_threadsafe`` per loop and pass).
+wait, one thread of the client's pool reads for them. Their futures are
+settled away from the reader, one call per pass: a task's in its event loop
+(``call_soon_threadsafe``), a submit's in another pool thread, where its
+callbacks may call the client again.
 """
 
 from __future__ import annotations
@@ -263,7 +265,7 @@ class ProcessClient:
                     for message in messages:
                         self._dispatch(conn, message)
                     settled, self._settled = self._settled, []
-                _settle(settled)
+                self._settle(settled)
         except Exception as err:  # not a caller's interruption: nobody could read on
             with self._cond:
                 self._fail(ServerBrokenError(f"reading the server's replies failed: {err!r}"))
@@ -276,7 +278,26 @@ class ProcessClient:
                     self._start_reader(conn)  # only tasks and futures wait: they cannot read
                 settled, self._settled = self._settled, []
                 self._cond.notify_all()  # a waiting thread takes over the reading
-            _settle(settled)
+            self._settle(settled)
+
+    def _settle(self, settled: list[tuple[Any, tuple[Any, Any, Any]]]) -> None:
+        """Settle each waiter's future, one call per event loop (or pool job) and pass.
+
+        A task's future is settled in its loop; a submit's in a pool thread,
+        never in the reader: its callbacks run there and may call this
+        client again.
+        """
+        by_loop: dict[Any, list[Any]] = {}
+        for waiter, reply in settled:
+            by_loop.setdefault(waiter[0], []).append((waiter, reply))
+        for loop, replies in by_loop.items():
+            if loop is None:
+                self._pool().submit(_set_results, replies)
+                continue
+            try:
+                loop.call_soon_threadsafe(_set_results, replies)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is left to wait
 
     def _fail(self, failure: BaseException) -> None:
         """The server is gone or closed: every waiter gets ``failure`` (the caller holds the lock)."""
@@ -380,22 +401,6 @@ class ProcessClient:
         if conn is not None:
             conn.sock.close()
         release()
-
-
-def _settle(settled: list[tuple[Any, tuple[Any, Any, Any]]]) -> None:
-    """Settle each waiter's future: a submit's here, a task's in its event loop (one call per loop)."""
-    by_loop: dict[Any, list[Any]] = {}
-    for waiter, reply in settled:
-        loop = waiter[0]
-        if loop is None:
-            _set_result(waiter, reply)
-        else:
-            by_loop.setdefault(loop, []).append((waiter, reply))
-    for loop, replies in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_set_results, replies)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is left to wait
 
 
 def _set_results(replies: list[Any]) -> None:
