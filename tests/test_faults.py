@@ -19,6 +19,7 @@ from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from torchrl_batchserve import (
     BadRequestError,
     BatchedPolicyServer,
+    BatchServeError,
     EvaluationCache,
     ForwardTimeoutError,
     PolicyError,
@@ -322,3 +323,27 @@ def test_a_ctrl_c_in_a_batch_a_lone_caller_runs_itself_reaches_it_and_the_server
         after = remote(obs())
     with torch.no_grad():
         torch.testing.assert_close(after["logits"], net(after["observation"]))
+
+
+def test_a_blocking_call_from_a_done_callback_in_the_serve_loop_is_refused_not_hung():
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    outcome: list = []
+    done = threading.Event()
+
+    def again(_future) -> None:  # runs in the serve loop's thread, which completes the future
+        try:
+            outcome.append(remote(obs()))
+        except BaseException as err:
+            outcome.append(err)
+        done.set()
+
+    with BatchedPolicyServer(gated) as server:
+        remote = server.remote_policy()
+        future = remote.submit(obs())
+        assert gated.entered.wait(10)  # the future is still pending: its callback runs when the batch completes
+        future.add_done_callback(again)
+        gated.gate.set()
+        assert done.wait(20), "the serve loop hung on a call that waits for itself"
+        assert isinstance(outcome[0], BatchServeError) and "serve loop" in str(outcome[0])
+        assert remote(obs())["logits"].shape == (3,)  # and it serves on
+        future.result(10)

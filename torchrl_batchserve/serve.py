@@ -45,11 +45,18 @@ from torchrl_batchserve.replica import Replica
 from torchrl_batchserve.request import Relay, Request, fail_all, resolve
 from torchrl_batchserve.stats import StatisticsRecorder
 
-__all__ = ["Serving", "owned"]
+__all__ = ["Serving", "in_serve_loop", "owned"]
 
 _log = logging.getLogger(__name__)
 
 Outcome = tuple[list[Request], Any, BaseException | None]  # (requests, their columns, or the error they get)
+
+_LOOP_THREAD = threading.local()  # ``serving`` is set in the threads of serve loops
+
+
+def in_serve_loop() -> bool:
+    """Whether the calling thread runs a serve loop (e.g. a submit's done-callback, run there)."""
+    return getattr(_LOOP_THREAD, "serving", False)
 
 
 def _refs(value: Any) -> int:
@@ -180,6 +187,7 @@ class Serving:
         # torch applies set_num_threads to a thread only once it asks; until
         # then MKL would run this thread's GEMMs on a team of one thread per core.
         torch.get_num_threads()
+        _LOOP_THREAD.serving = True
         while True:
             taken = self.queue.take_batch(replica.index)
             if taken is None:

@@ -11,9 +11,10 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from torchrl_batchserve.errors import ServerBrokenError
+from torchrl_batchserve.errors import BatchServeError, ServerBrokenError
 from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.request import AsyncRequest, BlockingRequest, FutureRequest
+from torchrl_batchserve.serve import in_serve_loop
 
 __all__ = ["LocalEndpoint"]
 
@@ -77,6 +78,11 @@ class LocalEndpoint:
         """Serve ``td`` and block until its outputs are written into it."""
         if not self._here():
             return self._other_process().call(td)
+        if in_serve_loop():
+            raise BatchServeError(
+                "a blocking call from a serve loop's own thread (a submit's done-callback runs there) would wait "
+                "for itself; call submit() or acall() there, or hand the call to another thread"
+            )
         request: BlockingRequest = self._intake.request(BlockingRequest, td, threading.get_ident())
         taken = self._intake.put(request, may_serve=True)
         if taken is not None:  # a lone caller: it runs its own batch (see queue.py)
