@@ -28,6 +28,7 @@ import select
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
@@ -240,7 +241,7 @@ class ProcessClient:
         """The waiters (``None``: a thread) whose reply has not come yet."""
         return [waiter for _, _, _, waiter in self._waiting.values()]
 
-    def _read(self, conn: Wire, done: Any) -> None:
+    def _read(self, conn: Wire, done: Callable[[], bool]) -> None:
         """Be the reader until ``done()`` or the server is gone, then hand the role on."""
         bell = self._bells[1]  # type: ignore[index]
         ready = select.poll()
