@@ -235,11 +235,7 @@ class ProcessClient:
     def _start_reader(self, conn: Wire) -> None:
         """Read for the callers that do not block, from a pool thread (the caller holds the lock; nobody reads)."""
         self._reading = True
-        self._pool().submit(self._read, conn, lambda: not self._unanswered())
-
-    def _unanswered(self) -> list[Any]:
-        """The waiters (``None``: a thread) whose reply has not come yet."""
-        return [waiter for _, _, _, waiter in self._waiting.values()]
+        self._pool().submit(self._read, conn, lambda: not self._waiting)
 
     def _read(self, conn: Wire, done: Callable[[], bool]) -> None:
         """Be the reader until ``done()`` or the server is gone, then hand the role on."""
@@ -274,8 +270,8 @@ class ProcessClient:
         finally:
             with self._cond:
                 self._reading = False
-                left = self._unanswered()
-                if left and self._failure is None and all(waiter is not None for waiter in left):
+                left = self._waiting.values()
+                if left and self._failure is None and all(waiter is not None for _, _, _, waiter in left):
                     self._start_reader(conn)  # only tasks and futures wait: they cannot read
                 settled, self._settled = self._settled, []
                 self._cond.notify_all()  # a waiting thread takes over the reading
@@ -324,16 +320,15 @@ class ProcessClient:
 
     def _complete(self, seq: int, error: Any, keys: Any, values: Any) -> None:
         """Hand ``seq`` its reply (``values`` ``None``: in its lane's output slot) and free its lane."""
-        waits = seq in self._waiting  # (not: an interrupted call's)
-        rows, shape, _, task = self._waiting[seq] if waits else (0, (), None, None)
-        lane = self._lane_of(seq)
-        if error is None and values is None and lane is not None and waits:
-            keys, values = lane.outputs.keys, lane.outputs.read(rows, shape)  # type: ignore[union-attr]
+        waiting = self._waiting.pop(seq, None)  # answered: ``_waiting`` holds only who still waits
+        lane = self._lane_of(seq) if waiting is None else waiting[2]  # (None: an interrupted call's)
+        if error is None and values is None and lane is not None and waiting is not None:
+            keys, values = lane.outputs.keys, lane.outputs.read(waiting[0], waiting[1])  # type: ignore[union-attr]
         if lane is not None and lane.seq == seq:
             lane.seq = None  # read out (or nobody waits): free for the next request
-        if not waits:
+        if waiting is None:
             return
-        del self._waiting[seq]  # answered: ``_waiting`` holds only who still waits
+        task = waiting[3]
         if task is not None:
             self._settled.append((task, (error, keys, values)))
         else:
