@@ -394,7 +394,7 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, plot
         f"One actor (vector): the policy called on a one-row TensorDict takes {overhead['bare_forward_us']:.0f} us "
         f"(p50); a request's p50 latency adds to that: ours {overhead['ours']:+.0f} us, "
         f"TorchRL {overhead['torchrl']:+.0f} us. Both servers call the TensorDictModule on the batch, as the bare "
-        "call does; a lone caller runs its own batch in its thread (`docs/design.md`, \"Who runs a batch\").",
+        'call does; a lone caller runs its own batch in its thread (`docs/design.md`, "Who runs a batch").',
         "",
         "## The targets of the benchmark (issues #3 and #20)",
         "",

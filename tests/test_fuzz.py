@@ -16,8 +16,27 @@ from tensordict.nn import TensorDictModule
 from torchrl_batchserve import BadRequestError, BatchedPolicyServer
 
 FEATURES = 8
-GOOD = ["rows", "single", "non_contiguous", "expanded", "lazy_stack", "nan", "more_than_a_batch", "extra_key", "multi_dim"]
-BAD = ["not_a_tensordict", "dtype", "feature_shape", "missing_key", "zero_rows", "sparse", "nested_tensor", "non_tensor"]
+GOOD = [
+    "rows",
+    "single",
+    "non_contiguous",
+    "expanded",
+    "lazy_stack",
+    "nan",
+    "more_than_a_batch",
+    "extra_key",
+    "multi_dim",
+]
+BAD = [
+    "not_a_tensordict",
+    "dtype",
+    "feature_shape",
+    "missing_key",
+    "zero_rows",
+    "sparse",
+    "nested_tensor",
+    "non_tensor",
+]
 
 
 def make_request(kind: str, rows: int) -> object:

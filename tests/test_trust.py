@@ -197,7 +197,9 @@ def test_a_policy_breaking_its_contract_raises_policy_error_naming_the_key():
             return TensorDict(logits=torch.zeros(td["observation"].shape[0] + 1, 3))  # one row too many
 
     with BatchedPolicyServer(TooMany()) as server:
-        with pytest.raises(PolicyError, match=r"out_key 'logits': expected a leading dim of the batch's 1 rows, got shape \(2, 3\)"):
+        with pytest.raises(
+            PolicyError, match=r"out_key 'logits': expected a leading dim of the batch's 1 rows, got shape \(2, 3\)"
+        ):
             server.remote_policy()(obs())
 
 
