@@ -340,14 +340,41 @@ def criteria(rows: list[dict], overhead: dict[str, float]) -> list[tuple[str, st
     return out
 
 
+def wake_round_trip_us(rounds: int = 2000) -> float:
+    """Microseconds for a thread to wake another through a lock and be woken back: this host's wake-up cost.
+
+    Every blocking caller is woken this way once per request, so thread
+    figures follow it; it differs widely between hosts (an idle vCPU of a VM
+    is slow to wake), which is why each report states it.
+    """
+    ping, pong = threading.Lock(), threading.Lock()
+    ping.acquire()
+    pong.acquire()
+
+    def echo() -> None:
+        for _ in range(rounds):
+            ping.acquire()
+            pong.release()
+
+    thread = threading.Thread(target=echo)
+    thread.start()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        ping.release()
+        pong.acquire()
+    elapsed = time.perf_counter() - start
+    thread.join()
+    return elapsed / rounds * 1e6
+
+
 def provenance(script: str, args: Any) -> str:
-    """The first line of every report: the command, the machine, the versions and the date."""
+    """The first line of every report: the command, the machine, the versions, the wake-up cost and the date."""
     command = f"python benchmarks/{script}" + (" --quick" if args.quick else "")
     return (
         f"Produced by `{command}` on {platform.node() or 'this machine'}: {os.cpu_count()} CPUs, "
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}, "
         f"torchrl {__import__('torchrl').__version__}, tensordict {__import__('tensordict').__version__}; "
-        f"{time.strftime('%Y-%m-%d')}."
+        f"a thread wake-up round trip takes {wake_round_trip_us():.0f} us here; {time.strftime('%Y-%m-%d')}."
     )
 
 
@@ -406,8 +433,9 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, plot
     lines += [
         "",
         "Why actor threads gain less than asyncio tasks: the tasks of one event loop are woken once per batch, "
-        "while each blocking thread is woken on its own, one after another under the GIL (a context switch and the "
-        "caller's own Python, ~13 us a step here), each waking the next (the relay, `docs/performance.md`). Thread "
+        "while each blocking thread is woken on its own, one after another under the GIL (a context switch, half "
+        "the wake-up round trip above, and the caller's own Python a step), each waking the next (the relay, "
+        "`docs/performance.md`). Thread "
         "figures move by +-20% between runs of this machine; the ratios, taken within a repeat, move less. The floor "
         "is far above both servers for the vector payload: the per-request cost is the server, not the forward.",
     ]
