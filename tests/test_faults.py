@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -27,6 +29,7 @@ from torchrl_batchserve import (
     ServerClosedError,
     WeightSyncError,
 )
+from torchrl_batchserve.request import BlockingRequest, Relay
 
 
 def client_of(server):
@@ -347,3 +350,77 @@ def test_a_blocking_call_from_a_done_callback_in_the_serve_loop_is_refused_not_h
         assert isinstance(outcome[0], BatchServeError) and "serve loop" in str(outcome[0])
         assert remote(obs())["logits"].shape == (3,)  # and it serves on
         future.result(10)
+
+
+class Interrupted(Exception):
+    """What a signal handler raises in a waiting caller (as Ctrl-C raises KeyboardInterrupt)."""
+
+
+@contextlib.contextmanager
+def interrupted_while_waiting():
+    """Raise :class:`Interrupted` in the main thread once it is blocked in ``BlockingRequest.wait``.
+
+    A repeating SIGALRM looks at the frame it lands in and raises only there,
+    so the interruption reaches the wait itself, whenever the thread gets to it.
+    """
+    wait = BlockingRequest.wait.__code__
+
+    def handler(signum, frame):
+        if frame is not None and frame.f_code is wait:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.01, 0.01)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_blocking_caller_interrupted_while_queued_is_dropped_and_the_others_are_served():
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    results: dict = {}
+
+    def call(name: str) -> None:
+        td = obs()
+        results[name] = (td["observation"].clone(), remote(td)["logits"])
+
+    with BatchedPolicyServer(gated) as server:
+        remote = server.remote_policy()
+        first = threading.Thread(target=call, args=("first",))
+        first.start()
+        assert gated.entered.wait(10)  # the serve loop is held: what comes next stays queued
+        others = [threading.Thread(target=call, args=(name,)) for name in ("b", "c")]
+        for thread in others:
+            thread.start()
+        with interrupted_while_waiting(), pytest.raises(Interrupted):
+            remote(obs())  # queued behind the held batch, and interrupted there
+        gated.gate.set()
+        for thread in [first, *others]:
+            thread.join(20)
+            assert not thread.is_alive(), "a caller was left waiting"
+        after = remote(obs())  # the interrupted thread calls again and is served
+    assert sorted(results) == ["b", "c", "first"]
+    with torch.no_grad():
+        for observation, logits in results.values():
+            torch.testing.assert_close(logits, gated.net(observation))
+        torch.testing.assert_close(after["logits"], gated.net(after["observation"]))
+    assert sum(gated.batches) == 4  # the three callers and the last call: the abandoned row never ran
+
+
+def test_a_caller_interrupted_in_the_middle_of_a_relay_wakes_the_callers_after_it():
+    relay = Relay()
+    first, middle, last = (BlockingRequest(obs(), (), 1, torch.Size([]), i, None, None) for i in range(3))
+    for request in (first, middle, last):
+        request._store(["logits"], [torch.zeros(3)], None)  # completed by a batch, as resolve() does
+    relay.start([first, middle, last])  # wakes `first`, whose caller never comes back: `middle` waits on it
+    woken: list = []
+    waiter = threading.Thread(target=lambda: woken.append(last.wait(lambda: True, check_every=60)))
+    waiter.start()
+    with interrupted_while_waiting(), pytest.raises(Interrupted):
+        middle.wait(lambda: True, check_every=60)
+    waiter.join(20)  # its own watchdog would only look again after 60 s: the interrupted caller woke it
+    assert not waiter.is_alive() and woken[0]["logits"].shape == (3,)
+    assert middle.abandoned
