@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import os
@@ -424,3 +425,35 @@ def test_a_caller_interrupted_in_the_middle_of_a_relay_wakes_the_callers_after_i
     waiter.join(20)  # its own watchdog would only look again after 60 s: the interrupted caller woke it
     assert not waiter.is_alive() and woken[0]["logits"].shape == (3,)
     assert middle.abandoned
+
+
+def test_cancelled_asyncio_callers_are_dropped_while_queued_and_ignored_once_running():
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    loop_errors: list = []
+
+    async def main() -> tuple:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+        running = asyncio.create_task(remote.acall(obs()))
+        assert await asyncio.to_thread(gated.entered.wait, 10)  # its batch is held in the forward
+        kept_td = obs()
+        queued = asyncio.create_task(remote.acall(obs()))
+        kept = asyncio.create_task(remote.acall(kept_td))
+        await asyncio.sleep(0)  # both tasks run up to their await: their requests are queued
+        queued.cancel()
+        running.cancel()
+        gated.gate.set()
+        result = await kept
+        for task in (queued, running):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        return kept_td, result
+
+    with BatchedPolicyServer(gated) as server:
+        remote = server.remote_policy()
+        kept_td, result = asyncio.run(main())
+        again = remote(obs())  # and it serves on
+    assert not loop_errors  # a result for a cancelled task is dropped, never set on its future
+    with torch.no_grad():
+        torch.testing.assert_close(result["logits"], gated.net(kept_td["observation"]))
+        torch.testing.assert_close(again["logits"], gated.net(again["observation"]))
+    assert sum(gated.batches) == 3  # the running row, the kept one, the last call: the queued one never ran
