@@ -8,7 +8,9 @@ first forward while the rest queue up.
 from __future__ import annotations
 
 import copy
+import pickle
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -124,6 +126,27 @@ def test_padded_results_equal_each_request_alone(buckets):
         for batch, n in zip(gated.batches, longest):
             assert batch["tokens"].shape[1] == min(b for b in buckets if b >= n)
     assert len(gated.batches) > 2  # batches really mixed lengths
+
+
+def test_variable_length_requests_from_a_worker_are_padded_with_everyone_elses():
+    net = MaskedEncoder()
+    policy = TensorDictModule(net, in_keys=["tokens", "mask"], out_keys=["logits", "value"])
+    collate = PadCollate(["tokens"], trim_keys=["logits"], pad_values={"tokens": 1e4})
+    tds = [TensorDict(tokens=torch.randn(n, 4)) for n in lengths(16, 12, seed=2)]
+    with BatchedPolicyServer(policy, collate=collate, max_batch_size=8) as server:
+        client = pickle.loads(pickle.dumps(server.remote_policy()))  # the worker-process path, in this process
+        local = server.remote_policy()
+        with ThreadPoolExecutor(4) as pool:  # the worker's requests, one at a time, batch with local ones
+            mixed = pool.map(local, tds[::2])
+            outs = [client(td) for td in tds[1::2]] + list(mixed)
+        [worker] = server._hub._clients.values()
+        lanes, varying = len(worker.lanes), worker.varying
+    for td in outs:
+        logits, value = alone(net, td["tokens"])
+        assert td["logits"].shape == logits.shape
+        torch.testing.assert_close(td["logits"], logits, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(td["value"], value, atol=1e-5, rtol=1e-4)
+    assert varying and lanes == 1  # the hub saw the lengths vary: the first length's lane, no slot per length
 
 
 def test_mask_marks_exactly_the_real_elements():
