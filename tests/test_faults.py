@@ -26,6 +26,7 @@ from torchrl_batchserve import (
     EvaluationCache,
     ForwardTimeoutError,
     PolicyError,
+    QueueFullError,
     ServerBrokenError,
     ServerClosedError,
     WeightSyncError,
@@ -457,3 +458,30 @@ def test_cancelled_asyncio_callers_are_dropped_while_queued_and_ignored_once_run
         torch.testing.assert_close(result["logits"], gated.net(kept_td["observation"]))
         torch.testing.assert_close(again["logits"], gated.net(again["observation"]))
     assert sum(gated.batches) == 3  # the running row, the kept one, the last call: the queued one never ran
+
+
+def test_a_worker_request_refused_by_a_full_queue_gets_queue_full_error_and_counts_no_longer_in_flight():
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    with BatchedPolicyServer(gated, max_queue_size=1) as server:
+        remote, client = server.remote_policy(), client_of(server)
+        held = remote.submit(obs())
+        assert gated.entered.wait(10)  # the serve loop is held: the queue fills
+        queued_td = obs()
+        queued = threading.Thread(target=lambda: client(queued_td))
+        queued.start()
+        deadline = time.monotonic() + 20
+        while server._queue._rows < 1:  # the worker's first request is queued, and fills the queue
+            assert time.monotonic() < deadline, "the worker's request never reached the queue"
+            time.sleep(0.01)
+        with pytest.raises(QueueFullError, match="max_queue_size=1"):
+            client(obs())
+        gated.gate.set()
+        held.result(10)
+        queued.join(20)
+        assert not queued.is_alive()
+        after = client(obs())  # the worker is served on
+        [worker] = server._hub._clients.values()
+        assert worker.in_flight == 0  # the refused request was taken off the count it was put on
+    with torch.no_grad():
+        torch.testing.assert_close(queued_td["logits"], gated.net(queued_td["observation"]))
+        torch.testing.assert_close(after["logits"], gated.net(after["observation"]))
