@@ -96,7 +96,7 @@ class ProcessClient:
         self._settled: list[tuple[Any, tuple[Any, Any, Any]]] = []  # (waiter, reply) of futures, to settle
         self._reading = False  # someone polls the bell and the socket for everyone
         self._executor: ThreadPoolExecutor | None = None
-        self._release: Any = lambda: None  # closes the bells once connected
+        self._release: Any = lambda: None  # closes the bells (once connected)
 
     def process_address(self) -> tuple[str, bytes, list]:
         """Where another copy connects (a copy of a copy is a client of the same server)."""
@@ -123,7 +123,7 @@ class ProcessClient:
                 sock.settimeout(None)
                 self._headers = Headers.attach(conn.take_fd())
                 self._bells = conn.take_fd(), conn.take_fd()
-                self._release = weakref.finalize(self, _close_fds, self._bells)  # a client dropped unclosed
+                self._release = weakref.finalize(self, _close_fds, self._bells)  # the bells go with the client
             except (OSError, EOFError) as err:
                 sock.close()
                 self._closed = True
@@ -378,17 +378,6 @@ class ProcessClient:
         if self._send(td, (None, future, td)) is None:
             return self._pool().submit(self.call, td)
         return future
-
-    def close(self) -> None:
-        with self._cond:
-            self._close_descriptors()
-
-    def _close_descriptors(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        self._release()
-        self._bells, self._headers, self._lanes = None, None, []
 
     def _forget(self) -> None:
         """In a forked child: drop the parent's connection (its descriptors closed), connect anew on use."""
