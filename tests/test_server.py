@@ -452,6 +452,10 @@ def test_queue_full_is_refused_at_once():
         ({"timeout": float("inf")}, r"timeout must be a finite number of seconds >= 0 \(got inf\)"),
         ({"max_queue_size": 0}, r"max_queue_size must be an int >= 1 \(got 0\)"),
         ({"device": "nonsense"}, r"device must be a torch.device or a device string \(got 'nonsense'\)"),
+        ({"device": []}, r"device must name at least one device \(got an empty sequence\)"),
+        ({"device": ["cpu", "nonsense"]}, r"device\[1\] must be a torch.device or a device string"),
+        ({"cost_fn": 3, "max_batch_cost": 4}, r"cost_fn must be callable as cost_fn\(td\) -> int \(got 3\)"),
+        ({"in_keys": ["x"]}, "in_keys/out_keys are taken from a TensorDictModuleBase policy; do not pass them"),
         ({"collate": 3}, "collate must be a Collate"),
         (
             {"input_spec": TensorDict(obs=torch.zeros(8))},
@@ -464,6 +468,25 @@ def test_queue_full_is_refused_at_once():
 def test_constructor_validates_arguments(policy, kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         BatchedPolicyServer(policy, **kwargs)
+
+
+def test_a_cuda_device_that_is_not_there_is_refused_at_construction(policy):
+    missing = r"there are \d+ CUDA devices" if torch.cuda.is_available() else "this torch build or machine has no CUDA"
+    with pytest.raises(ValueError, match=rf"device='cuda:99': {missing}"):
+        BatchedPolicyServer(policy, device="cuda:99")
+    with pytest.raises(ValueError, match=rf"device\[1\]='cuda:99': {missing}"):
+        BatchedPolicyServer(policy, device=["cpu", "cuda:99"])
+    with pytest.raises(ValueError, match=rf"output_device='cuda:99': {missing}"):
+        BatchedPolicyServer(policy, output_device="cuda:99")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda': this torch build or machine has no CUDA device"):
+            BatchedPolicyServer(policy, device="cuda")
+
+
+def test_a_server_passed_where_its_policy_goes_is_refused_with_what_to_pass(policy):
+    with BatchedPolicyServer(policy) as server:
+        with pytest.raises(TypeError, match=r"pass server.remote_policy\(\) to actors"):
+            BatchedPolicyServer(server)
 
 
 def test_constructor_rejects_policies_without_keys():
