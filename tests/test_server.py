@@ -12,7 +12,7 @@ import torch
 from conftest import GatedPolicy, make_mlp, obs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict
+from tensordict import NonTensorData, TensorDict
 from tensordict.nn import (
     InteractionType,
     TensorDictModule,
@@ -487,6 +487,26 @@ def test_a_server_passed_where_its_policy_goes_is_refused_with_what_to_pass(poli
     with BatchedPolicyServer(policy) as server:
         with pytest.raises(TypeError, match=r"pass server.remote_policy\(\) to actors"):
             BatchedPolicyServer(server)
+
+
+def test_update_weights_takes_the_version_given_refuses_one_that_does_not_increase_and_bad_weights(policy):
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        weights = TensorDict.from_module(policy).data.clone()
+        assert server.update_weights(weights, version=10) == 10
+        assert int(remote(obs())["policy_version"]) == 10
+        with pytest.raises(WeightSyncError, match="version must increase: staged 10, got 10"):
+            server.update_weights(weights, version=10)
+        with pytest.raises(
+            WeightSyncError, match="weights must be a TensorDict, an nn.Module or a state_dict, got list"
+        ):
+            server.update_weights([weights])
+        odd = weights.clone()
+        odd.set(("module", "0", "bias"), NonTensorData("zeros"))
+        with pytest.raises(WeightSyncError, match=r"weight \('module', '0', 'bias'\): expected a tensor"):
+            server.update_weights(odd)
+        assert server.update_weights(weights) == 11  # the refused pushes changed nothing
+        assert int(remote(obs())["policy_version"]) == 11
 
 
 def test_constructor_rejects_policies_without_keys():

@@ -93,15 +93,17 @@ class ShadowWeights:
     def check(self, weights: TensorDictBase) -> None:
         """Raise :class:`WeightSyncError` unless ``weights`` matches the served layout."""
         served = set(self._layout.keys(True, True))
-        given = set(weights.keys(True, True))
+        given = set(weights.keys(True, True))  # tensors only
+        for key in served - given:
+            value = weights.get(key, None)
+            if value is not None:  # non-tensor data where a tensor is served
+                raise WeightSyncError(f"weight {key!r}: expected a tensor, got {type(value).__name__}")
         if served != given:
             missing = sorted(map(str, served - given))
             extra = sorted(map(str, given - served))
             raise WeightSyncError(f"weights do not match the served policy: missing {missing}, unexpected {extra}")
         for key in served:
             target, value = self._layout.get(key), weights.get(key)
-            if not isinstance(value, torch.Tensor):
-                raise WeightSyncError(f"weight {key!r}: expected a tensor, got {type(value).__name__}")
             if value.is_meta:
                 raise WeightSyncError(f"weight {key!r}: is on the meta device (it holds no values to serve)")
             if target.shape != value.shape or target.dtype != value.dtype:
