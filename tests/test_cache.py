@@ -137,6 +137,29 @@ def test_key_fn_names_the_row(policy):
     assert torch.equal(a["logits"], b["logits"]) and not torch.equal(b["logits"], c["logits"])
 
 
+def test_key_fn_gets_each_row_of_a_multi_row_request(policy, net):
+    seen: list = []
+
+    def board(td: TensorDict) -> int:
+        assert td.batch_size == ()  # one row at a time
+        seen.append(int(td["board_id"]))
+        return int(td["board_id"])
+
+    with BatchedPolicyServer(policy, cache=EvaluationCache(key_fn=board)) as server:
+        remote = server.remote_policy()
+        rows = obs(0, 2, 2).set("board_id", torch.tensor([[1, 2], [3, 4]]))
+        first = remote(rows.clone())  # computed; each row stored under its board
+        single = remote(obs(9).set("board_id", torch.tensor(3)))  # other numbers, board 3: the cache trusts the key
+        again = remote(rows.clone())
+        stats = server.statistics()
+    with torch.no_grad():
+        expected = net(rows["observation"])
+    assert torch.equal(first["logits"], expected) and torch.equal(again["logits"], expected)
+    assert torch.equal(single["logits"], expected[1, 0])
+    assert seen == [1, 2, 3, 4, 3, 1, 2, 3, 4]
+    assert (stats.cache_hits, stats.requests) == (2, 1)
+
+
 def test_interaction_types_do_not_share_entries(policy):
     with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
         remote = server.remote_policy()
