@@ -122,3 +122,21 @@ def test_one_name_one_server_and_other_settings_under_it_are_refused(recipe_dir)
     rebuilt = instantiate(cfg.server)  # a closed server is built anew
     assert rebuilt is not server and not rebuilt.closed
     rebuilt.close()
+
+
+def test_an_input_spec_in_yaml_fixes_the_layout_by_key_and_names_the_entry_it_cannot_read():
+    from tensordict import TensorDict
+
+    from torchrl_batchserve import BadRequestError
+    from torchrl_batchserve.config import build_server
+
+    spec = {"th": {"shape": [], "dtype": "float32"}, "thdot": {"shape": [], "dtype": "torch.float32"}}
+    with build_server({"input_spec": spec}, make_policy()) as server:
+        remote = server.remote_policy()
+        with pytest.raises(BadRequestError, match="key 'thdot'"):  # refused before any request was served
+            remote(TensorDict(th=torch.zeros(()), thdot=torch.zeros((), dtype=torch.float64)))
+        assert remote(TensorDict(th=torch.zeros(()), thdot=torch.zeros(())))["action"].shape == (1,)
+    with pytest.raises(ValueError, match="input_spec entry 'th': dtype must name a torch dtype, got 'float99'"):
+        build_server({"input_spec": {"th": {"shape": [], "dtype": "float99"}}}, make_policy())
+    with pytest.raises(ValueError, match=r"input_spec entry 'th' must be a mapping, got \[1\]"):
+        build_server({"input_spec": {"th": [1]}}, make_policy())
