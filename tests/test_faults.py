@@ -485,3 +485,49 @@ def test_a_worker_request_refused_by_a_full_queue_gets_queue_full_error_and_coun
     with torch.no_grad():
         torch.testing.assert_close(queued_td["logits"], gated.net(queued_td["observation"]))
         torch.testing.assert_close(after["logits"], gated.net(after["observation"]))
+
+
+def connect_raw(server):
+    """A worker that speaks the hub's protocol by hand: its wire and its request bell, after the handshake."""
+    from torchrl_batchserve.transport.wire import Wire
+
+    address, authkey, _ = server._start_hub()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    sock.sendall(authkey)
+    assert sock.recv(1) == b"\x01"
+    wire = Wire(sock)
+    assert wire.recv() == ("bells",)
+    headers, requests_bell, replies_bell = wire.take_fd(), wire.take_fd(), wire.take_fd()
+    os.close(headers)
+    os.close(replies_bell)
+    return wire, requests_bell
+
+
+def test_a_worker_that_breaks_the_protocol_fails_alone_and_the_hub_serves_on():
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        worker = client_of(server)
+        worker(obs())
+        wire, bell = connect_raw(server)
+        wire.send(("req", 1, None, b"not a pickle"))  # a request whose payload does not load: it fails alone
+        kind, seq, error, *_ = wire.recv()
+        assert (kind, seq) == ("done", 1) and error is not None
+        wire.send(("req",))  # not a request at all: logged and ignored
+        os.eventfd_write(bell, 1 << 5)  # a lane it was never given: logged, nothing to answer
+        td = obs()
+        wire.send(("req", 2, None, pickle.dumps(td)))  # and the same worker is served on
+        replies = [wire.recv()]
+        while replies[-1][0] != "done":  # (a lane may be offered first)
+            replies.append(wire.recv())
+        kind, seq, error, values, keys, _ = replies[-1]
+        assert (kind, seq, error) == ("done", 2, None)
+        with torch.no_grad():
+            torch.testing.assert_close(dict(zip(keys, values))["logits"], policy.module(td["observation"]))
+        wire.sock.sendall(b"\x00\x00\x00\x04junk")  # a frame that is not a message: the hub drops the worker
+        with pytest.raises(EOFError):
+            wire.recv()
+        os.close(bell)
+        wire.close()
+        assert worker(obs())["logits"].shape == (3,)  # the other worker never noticed
+        assert server.remote_policy()(obs())["logits"].shape == (3,)
