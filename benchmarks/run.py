@@ -435,9 +435,9 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, plot
         "Why actor threads gain less than asyncio tasks: the tasks of one event loop are woken once per batch, "
         "while each blocking thread is woken on its own, one after another under the GIL (a context switch, half "
         "the wake-up round trip above, and the caller's own Python a step), each waking the next (the relay, "
-        "`docs/performance.md`). Thread "
-        "figures move by +-20% between runs of this machine; the ratios, taken within a repeat, move less. The floor "
-        "is far above both servers for the vector payload: the per-request cost is the server, not the forward.",
+        "`docs/performance.md`). Thread figures move by +-20% between runs of this machine; the ratios, taken "
+        "within a repeat, move less. The floor is far above both servers for the vector payload: the per-request "
+        "cost is the server, not the forward.",
     ]
     save_report(
         lines, args, "benchmarks", "run.py", "`make bench` (or `python benchmarks/run.py [--quick] [--repeats N]`)."

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +18,14 @@ def obs(*batch, n: int = 8) -> TensorDict:
 def make_mlp(obs: int = 8, act: int = 3, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(obs, 32), torch.nn.Tanh(), torch.nn.Linear(32, act))
+
+
+def wait_for(condition, what: str, timeout: float = 20.0) -> None:
+    """Wait for a state another thread or process changes where no event signals it (a queue's length, a hub's clients)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import GatedPolicy, make_mlp, obs
+from conftest import GatedPolicy, make_mlp, obs, wait_for
 from tensordict import NonTensorData, TensorDict
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 
@@ -469,10 +469,7 @@ def test_a_worker_request_refused_by_a_full_queue_gets_queue_full_error_and_coun
         queued_td = obs()
         queued = threading.Thread(target=lambda: client(queued_td))
         queued.start()
-        deadline = time.monotonic() + 20
-        while server._queue._rows < 1:  # the worker's first request is queued, and fills the queue
-            assert time.monotonic() < deadline, "the worker's request never reached the queue"
-            time.sleep(0.01)
+        wait_for(lambda: server._queue._rows == 1, "the worker's first request to fill the queue")
         with pytest.raises(QueueFullError, match="max_queue_size=1"):
             client(obs())
         gated.gate.set()
@@ -488,20 +485,12 @@ def test_a_worker_request_refused_by_a_full_queue_gets_queue_full_error_and_coun
 
 
 def connect_raw(server):
-    """A worker that speaks the hub's protocol by hand: its wire and its request bell, after the handshake."""
-    from torchrl_batchserve.transport.wire import Wire
+    """A worker that speaks the hub's protocol by hand: a client's connection and request bell, no reader."""
+    from torchrl_batchserve.transport.client import ProcessClient
 
-    address, authkey, _ = server._start_hub()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(address)
-    sock.sendall(authkey)
-    assert sock.recv(1) == b"\x01"
-    wire = Wire(sock)
-    assert wire.recv() == ("bells",)
-    headers, requests_bell, replies_bell = wire.take_fd(), wire.take_fd(), wire.take_fd()
-    os.close(headers)
-    os.close(replies_bell)
-    return wire, requests_bell
+    client = ProcessClient(*server._start_hub())
+    wire = client._connection()  # the handshake: key, then the bells and headers
+    return client, wire, client._bells[0]
 
 
 def test_a_worker_that_breaks_the_protocol_fails_alone_and_the_hub_serves_on():
@@ -509,7 +498,7 @@ def test_a_worker_that_breaks_the_protocol_fails_alone_and_the_hub_serves_on():
     with BatchedPolicyServer(policy) as server:
         worker = client_of(server)
         worker(obs())
-        wire, bell = connect_raw(server)
+        raw, wire, bell = connect_raw(server)
         wire.send(("req", 1, None, b"not a pickle"))  # a request whose payload does not load: it fails alone
         kind, seq, error, *_ = wire.recv()
         assert (kind, seq) == ("done", 1) and error is not None
@@ -527,7 +516,6 @@ def test_a_worker_that_breaks_the_protocol_fails_alone_and_the_hub_serves_on():
         wire.sock.sendall(b"\x00\x00\x00\x04junk")  # a frame that is not a message: the hub drops the worker
         with pytest.raises(EOFError):
             wire.recv()
-        os.close(bell)
-        wire.close()
+        del raw, wire  # its bells close with it
         assert worker(obs())["logits"].shape == (3,)  # the other worker never noticed
         assert server.remote_policy()(obs())["logits"].shape == (3,)

@@ -16,7 +16,7 @@ import time
 import process_workers as pw
 import pytest
 import torch
-from conftest import GatedPolicy
+from conftest import GatedPolicy, wait_for
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
@@ -41,14 +41,6 @@ def slot_mappings() -> int:
             continue
         fds += "torchrl_batchserve-" in target or target == "anon_inode:[eventfd]"
     return mapped + fds
-
-
-def wait_for(condition, what: str, timeout: float = 20.0) -> None:
-    """Wait for a state another process changes (no event crosses the process boundary here)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def report(results, processes: list, timeout: float = 100.0):
