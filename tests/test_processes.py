@@ -581,8 +581,9 @@ def test_threads_tasks_and_futures_of_one_worker_share_its_remote_policy_and_bat
         worker = SPAWN.Process(target=pw.many_callers, args=(server.remote_policy(), mode, callers, 5, results))
         worker.start()
         assert gated.entered.wait(120)  # the first batch is in the forward; the others queue behind it
-        # (the held batch itself may hold several requests, taken by a serve loop slow to wake)
-        wait_for(lambda: gated.batches[0] + len(server._queue._items) >= callers // 2, "the worker's callers to queue")
+        # Every caller's first request is then in the held batch or queued behind it (the held batch may hold
+        # several, taken by a serve loop slow to wake), so one of the two holds at least half of them.
+        wait_for(lambda: gated.batches[0] + len(server._queue._items) == callers, "the worker's callers to queue")
         gated.gate.set()
         out = report(results, [worker])
         worker.join(30)
