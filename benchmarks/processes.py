@@ -12,7 +12,8 @@ in one process run, on the same policies and inputs as ``benchmarks/run.py``:
   (``--torchrl-transports`` measures ``ProcessSlotTransport``,
   ``SharedMemoryTransport`` and ``MPTransport`` side by side).
 
-Both servers: the same ``max_batch_size`` and ``timeout``, in this process.
+Both servers: the same ``max_batch_size``, ``timeout`` and ``--device`` (where
+the policy runs; requests and results stay on the CPU), in this process.
 Workers synchronise on a barrier, then time their calls; throughput is all
 calls over the span from the first start to the last end. Five repeats by
 default (``--repeats``): at 8 processes on two vCPUs a single repeat of ours
@@ -39,11 +40,13 @@ from run import (
     STEADY_MALLOC,
     _pct,
     common_parser,
+    device_note,
     make_payload,
     parse_common,
     provenance,
     restart_with,
     save_report,
+    served_on,
 )
 from torchrl.modules.inference_server import InferenceServer, MPTransport, ProcessSlotTransport, SharedMemoryTransport
 
@@ -102,10 +105,11 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any, tasks:
     ctx = mp.get_context("spawn")
     policy, make = make_payload(payload)
     barrier, results = ctx.Barrier(procs + 1), ctx.Queue()  # this process passes it too: its CPU clock starts
-    kw = {"max_batch_size": args.max_batch_size, "timeout": args.timeout}
+    kw = {"max_batch_size": args.max_batch_size, "timeout": args.timeout, **served_on(args.device)}
     if system == "ours":
-        devices = ["cpu"] * args.replicas if args.replicas > 1 else None  # one replica: where the policy is
-        server: Any = BatchedPolicyServer(policy, device=devices, **kw)
+        if args.replicas > 1:
+            kw["device"] = [args.device or torch.device("cpu")] * args.replicas
+        server: Any = BatchedPolicyServer(policy, **kw)
         clients = [[server.remote_policy()] * tasks for _ in range(procs)]
     else:
         sample = make(torch.Generator().manual_seed(0))
@@ -157,7 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--procs", default="2,4,8,32,64,8x16", help="worker processes; PxT: P processes of T asyncio tasks each"
     )
-    parser.add_argument("--replicas", type=int, default=1, help="ours: this many CPU replicas (device=['cpu'] * N)")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="ours: this many replicas on --device (default: the CPU)"
+    )
     parser.add_argument(
         "--torchrl-transports", action="store_true", help="measure TorchRL's cross-process transports only"
     )
@@ -212,8 +218,9 @@ def write_report(rows: list[dict], args: Any) -> None:
         f"Spawned workers, one call at a time each (`P x T`: P workers of T asyncio tasks each; ours: one "
         f"RemotePolicy per worker, `await acall`; TorchRL: a client per task, its blocking call in a thread); "
         f"both servers in the parent with "
-        f"`max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`; medians of {args.repeats} repeat(s), "
-        "ratios within a repeat. Payloads, one intra-op thread in every thread and glibc malloc settings as in "
+        f"`max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`, {device_note(args.device)}; "
+        f"medians of {args.repeats} repeat(s), ratios within a repeat. Payloads, one intra-op thread in every "
+        "thread and glibc malloc settings as in "
         "`docs/benchmarks.md`. "
         "CPU per request: the server's process (all its threads) and the workers' timed loops, over all requests.",
         "",

@@ -15,6 +15,7 @@ repeated; ratios are taken within a repeat and reported as medians.
 
     python benchmarks/run.py            # full run, writes docs/benchmarks.md and a PNG
     python benchmarks/run.py --quick    # seconds; a smoke test
+    python benchmarks/run.py --device cuda   # both servers run the policy on a GPU
 """
 
 from __future__ import annotations
@@ -162,8 +163,11 @@ def measure(system: str, payload: str, mode: str, actors: int, repeat: int, tota
     policy, make = make_payload(payload)
     per_actor = max(1, total // actors)
     mean_batch = 1.0
+    device = args.device  # where both servers (and the naive actors) run the policy
     if system == "ours":
-        with BatchedPolicyServer(policy, max_batch_size=args.max_batch_size, timeout=args.timeout) as server:
+        with BatchedPolicyServer(
+            policy, max_batch_size=args.max_batch_size, timeout=args.timeout, **served_on(device)
+        ) as server:
             remote = server.remote_policy()
             if mode == "threads":
                 elapsed, lat, cpu = drive_threads(remote, make, actors, per_actor)
@@ -172,7 +176,11 @@ def measure(system: str, payload: str, mode: str, actors: int, repeat: int, tota
             mean_batch = server.statistics().mean_batch_size
     elif system == "torchrl":
         with InferenceServer(
-            policy, ThreadingTransport(), max_batch_size=args.max_batch_size, timeout=args.timeout
+            policy,
+            ThreadingTransport(),
+            max_batch_size=args.max_batch_size,
+            timeout=args.timeout,
+            **served_on(device),
         ) as server:
             client = server.client()
             if mode == "threads":
@@ -183,13 +191,15 @@ def measure(system: str, payload: str, mode: str, actors: int, repeat: int, tota
                 )
             mean_batch = float(server.stats().get("avg_batch_size", 0.0))
     elif system == "naive":
+        policy = policy.to(device) if device is not None else policy
+        call = policy if device is None else (lambda td: policy(td.to(device)).to("cpu"))
         if mode == "threads":
-            elapsed, lat, cpu = drive_threads(policy, make, actors, per_actor)
+            elapsed, lat, cpu = drive_threads(call, make, actors, per_actor)
         else:
 
             async def direct(td: TensorDict) -> TensorDict:
                 with torch.no_grad():
-                    return policy(td)
+                    return call(td)
 
             elapsed, lat, cpu = drive_tasks(direct, make, actors, per_actor)
     else:
@@ -210,19 +220,29 @@ def measure(system: str, payload: str, mode: str, actors: int, repeat: int, tota
     )
 
 
-def measure_floor(payload: str, batch: int, repeat: int, total: int) -> Measurement:
-    """The policy's batched forward alone: requests/s if every batch were full and free."""
+def measure_floor(payload: str, batch: int, repeat: int, total: int, device: torch.device | None = None) -> Measurement:
+    """The policy's batched forward alone: requests/s if every batch were full and free.
+
+    On a ``device``, a batch also goes there and its outputs come back, as a server's do.
+    """
     policy, make = make_payload(payload)
     g = torch.Generator().manual_seed(0)
     batch_td = torch.stack([make(g) for _ in range(batch)])
+    forward = policy
+    if device is not None:
+        policy = policy.to(device)
+
+        def forward(td: TensorDict) -> TensorDict:
+            return policy(td.to(device)).to("cpu")  # .to("cpu") waits for the device
+
     iters = max(3, total // batch)
     lat = []
     with torch.no_grad():
-        policy(batch_td.clone())
+        forward(batch_td.clone())
         start, cpu = time.perf_counter(), time.process_time()
         for _ in range(iters):
             t = time.perf_counter()
-            policy(batch_td)
+            forward(batch_td)
             lat.append(time.perf_counter() - t)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     n = iters * batch
@@ -370,6 +390,8 @@ def wake_round_trip_us(rounds: int = 2000) -> float:
 def provenance(script: str, args: Any) -> str:
     """The first line of every report: the command, the machine, the versions, the wake-up cost and the date."""
     command = f"python benchmarks/{script}" + (" --quick" if args.quick else "")
+    device = getattr(args, "device", None)  # run.py and processes.py take --device
+    command += f" --device {device}" if device is not None else ""
     return (
         f"Produced by `{command}` on {platform.node() or 'this machine'}: {os.cpu_count()} CPUs, "
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}, "
@@ -393,7 +415,7 @@ def write_report(rows: list[dict], overhead: dict, checks: list, args: Any, plot
         "",
         provenance("run.py", args),
         "",
-        f"Both servers: `max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`. "
+        f"Both servers: `max_batch_size={args.max_batch_size}`, `timeout={args.timeout}`, {device_note(args.device)}. "
         f"Medians of {args.repeats} repeat(s); ratios are taken within a repeat. "
         "One intra-op thread in every thread (`torch.set_num_threads(1)`, `OMP_NUM_THREADS=1`, `MKL_NUM_THREADS=1`); "
         "glibc malloc with fixed thresholds (`MALLOC_MMAP_THRESHOLD_=64MiB`, `MALLOC_TRIM_THRESHOLD_=256MiB`: "
@@ -517,6 +539,11 @@ def common_parser(doc: str | None, repeats: int = 3) -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=0.002)
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where the report goes")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="where both servers run the policy (e.g. cuda); requests and results stay on the CPU, as an env's do",
+    )
     return parser
 
 
@@ -524,7 +551,28 @@ def parse_common(parser: argparse.ArgumentParser, argv: list[str] | None) -> arg
     """Parse ``argv``; ``args.repeats`` resolved to its default when not given."""
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else args.full_repeats)
+    if args.device is not None:
+        args.device = torch.device(args.device)
+        if args.device.type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: this torch build or machine has no CUDA device")
     return args
+
+
+def served_on(device: torch.device | None) -> dict[str, Any]:
+    """The keywords that put a server's policy on ``device`` and its results on the CPU (both servers take them).
+
+    Ours hands results back on each request's own device by default;
+    TorchRL's leaves them where the policy put them unless told.
+    """
+    return {} if device is None else {"device": device, "output_device": "cpu"}
+
+
+def device_note(device: torch.device | None) -> str:
+    """Where the policy ran, for a report's settings line."""
+    if device is None:
+        return "the policy on the CPU"
+    name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    return f"the policy on `{device}`{name}, requests and results on the CPU"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -537,7 +585,7 @@ def main(argv: list[str] | None = None) -> dict:
     for repeat in range(args.repeats):
         for payload in sorted({s[0] for s in todo}):
             for batch in sorted({min(s[2], args.max_batch_size) for s in todo if s[0] == payload} | {1}):
-                results.append(measure_floor(payload, batch, repeat, 256 if args.quick else 2048))
+                results.append(measure_floor(payload, batch, repeat, 256 if args.quick else 2048, args.device))
         for payload, mode, actors, total in todo:
             for system in ("ours", "torchrl", "naive"):
                 # the naive baseline is an order of magnitude slower and steady: a quarter of the requests

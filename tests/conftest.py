@@ -1,13 +1,25 @@
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(folder: str, name: str):
+    """Import a script of ``examples/`` or ``benchmarks/`` (its folder stays on the path: spawned workers import it)."""
+    path = str(ROOT / folder)
+    if path not in sys.path:
+        sys.path.append(path)
+    return __import__(name)
 
 
 def obs(*batch, n: int = 8) -> TensorDict:

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import make_mlp
+from conftest import load_script, make_mlp
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
@@ -108,3 +108,14 @@ def test_replicas_on_cuda_devices_serve_exact_results_and_every_push():
                 assert int(td["policy_version"]) == version and td["logits"].device.type == "cpu"
                 torch.testing.assert_close(td["logits"], reference(cpu_net, td["observation"]), atol=1e-5, rtol=1e-4)
         assert len(server.statistics().replicas) == len(devices)
+
+
+def test_the_side_by_side_benchmarks_serve_the_policy_on_cuda(tmp_path):
+    out = load_script("benchmarks", "run").main(
+        ["--quick", "--only", "vector", "--device", "cuda", "--out", str(tmp_path)]
+    )
+    assert "the policy on `cuda`" in (tmp_path / "benchmarks_quick.md").read_text()
+    assert all(row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0 for row in out["rows"])
+    argv = ["--quick", "--only", "vector", "--procs", "2", "--device", "cuda", "--out", str(tmp_path)]
+    rows = load_script("benchmarks", "processes").main(argv)["rows"]
+    assert rows[0]["ours"]["rps"] > 0 and rows[0]["torchrl"]["rps"] > 0

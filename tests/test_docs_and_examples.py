@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import re
 import socket
-import sys
-from pathlib import Path
 
 import pytest
+import torch
+from conftest import ROOT, load_script
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import torchrl_batchserve.config  # noqa: F401  (registers server/batchserve, which the shipped configs extend)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_readme_python_blocks_run():
@@ -103,16 +101,8 @@ def test_a_server_node_resolves_its_interpolations_in_its_recipe():
     server.close()
 
 
-def _load(folder: str, name: str):
-    """Import a script of ``examples/`` or ``benchmarks/`` (its folder stays on the path: spawned workers import it)."""
-    path = str(ROOT / folder)
-    if path not in sys.path:
-        sys.path.append(path)
-    return __import__(name)
-
-
 def test_collector_example_smoke(tmp_path):
-    collector_pendulum = _load("examples", "collector_pendulum")
+    collector_pendulum = load_script("examples", "collector_pendulum")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(
             config_name="collector_pendulum",
@@ -127,7 +117,7 @@ def test_collector_example_smoke(tmp_path):
 
 
 def test_actors_demo_smoke():
-    actors_demo = _load("examples", "actors_demo")
+    actors_demo = load_script("examples", "actors_demo")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="actors_demo", overrides=["threads=4", "tasks=8", "requests_per_actor=10"])
     result = actors_demo.run(cfg)
@@ -136,15 +126,22 @@ def test_actors_demo_smoke():
 
 
 def test_benchmark_quick_smoke(tmp_path):
-    out = _load("benchmarks", "run").main(["--quick", "--only", "vector", "--out", str(tmp_path)])
+    out = load_script("benchmarks", "run").main(["--quick", "--only", "vector", "--out", str(tmp_path)])
     report = (tmp_path / "benchmarks_quick.md").read_text()
     assert re.search(r"a thread wake-up round trip takes \d+ us here", report)  # measured, not assumed
     row = next(r for r in out["rows"] if r["actors"] == 8 and r["mode"] == "threads")
     assert row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0 and row["x_torchrl"] > 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_a_benchmark_asked_for_a_cuda_device_without_one_says_so(capsys):
+    with pytest.raises(SystemExit):
+        load_script("benchmarks", "run").main(["--quick", "--device", "cuda"])
+    assert "--device cuda: this torch build or machine has no CUDA device" in capsys.readouterr().err
+
+
 def test_varlen_benchmark_quick_smoke(tmp_path):
-    out = _load("benchmarks", "varlen").main(["--quick", "--actors", "8", "--out", str(tmp_path)])
+    out = load_script("benchmarks", "varlen").main(["--quick", "--actors", "8", "--out", str(tmp_path)])
     assert (tmp_path / "benchmarks_varlen_quick.md").exists()
     rows = {r["system"]: r for r in out["rows"]}
     assert set(rows) == {"ours-pad", "ours-buckets", "ours-pack", "torchrl-pad"}
@@ -154,7 +151,7 @@ def test_varlen_benchmark_quick_smoke(tmp_path):
 
 def test_process_benchmark_quick_smoke(tmp_path):
     argv = ["--quick", "--only", "vector", "--procs", "2,2x4", "--out", str(tmp_path)]
-    rows = _load("benchmarks", "processes").main(argv)["rows"]
+    rows = load_script("benchmarks", "processes").main(argv)["rows"]
     assert [row["procs"] for row in rows] == ["2", "2x4"]
     assert all(row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0 for row in rows)
     assert "| vector | 2 x 4 tasks |" in (tmp_path / "benchmarks_processes_quick.md").read_text()
@@ -167,14 +164,14 @@ def test_process_benchmark_quick_smoke(tmp_path):
 def test_ray_benchmark_quick_smoke(tmp_path):
     pytest.importorskip("ray")
     argv = ["--quick", "--actors", "2", "--seconds", "1", "--out", str(tmp_path)]
-    rows = _load("benchmarks", "ray_cluster").main(argv)  # what benchmarks/ray.py runs
+    rows = load_script("benchmarks", "ray_cluster").main(argv)  # what benchmarks/ray.py runs
     assert {r["system"] for r in rows} == {"ours", "torchrl", "serve"} and all(r["requests"] > 0 for r in rows)
     assert "| 2 |" in (tmp_path / "benchmarks_ray_quick.md").read_text()
 
 
 def test_torchrl_transports_benchmark_measures_each_transport(tmp_path):
     argv = ["--torchrl-transports", "--quick", "--only", "vector", "--procs", "2", "--out", str(tmp_path)]
-    runs = _load("benchmarks", "processes").main(argv)["runs"]
+    runs = load_script("benchmarks", "processes").main(argv)["runs"]
     assert {system for _, _, system in runs} == {"torchrl", "torchrl-shm", "torchrl-mp"}
     assert all(r["rps"] > 0 and r["mean_batch"] >= 1 for rs in runs.values() for r in rs)
     report = (tmp_path / "benchmarks_torchrl_transports_quick.md").read_text()
@@ -182,7 +179,7 @@ def test_torchrl_transports_benchmark_measures_each_transport(tmp_path):
 
 
 def test_weights_benchmark_quick_smoke(tmp_path):
-    out = _load("benchmarks", "weights").main(["--quick", "--out", str(tmp_path)])
+    out = load_script("benchmarks", "weights").main(["--quick", "--out", str(tmp_path)])
     for row in out["rows"]:
         assert row["ours"]["pushes"] > 0 and row["torchrl"]["pushes"] > 0
         assert row["ours"]["lag_ms"] > 0 and row["torchrl"]["pushing"] > 0
@@ -190,7 +187,7 @@ def test_weights_benchmark_quick_smoke(tmp_path):
 
 
 def test_tuning_benchmark_quick_smoke(tmp_path):
-    rows = _load("benchmarks", "tuning").main(["--quick", "--out", str(tmp_path)])
+    rows = load_script("benchmarks", "tuning").main(["--quick", "--out", str(tmp_path)])
     assert {(r["mode"], r["max_batch_size"], r["timeout"]) for r in rows} == {
         (mode, size, timeout)
         for mode in ("threads", "tasks", "processes")
@@ -201,7 +198,7 @@ def test_tuning_benchmark_quick_smoke(tmp_path):
 
 
 def test_mcts_benchmark_quick_smoke(tmp_path):
-    bench = _load("benchmarks", "mcts")
+    bench = load_script("benchmarks", "mcts")
     out = bench.main(["--quick", "--out", str(tmp_path)])
     grid = {(r["games"], r["searchers"]): r for r in out["throughput"]}
     assert set(grid) == {(g, s) for g in (1, 16) for s in (1, 4, 16, 64)}
@@ -213,7 +210,7 @@ def test_mcts_benchmark_quick_smoke(tmp_path):
 def test_a_short_soak_loses_duplicates_and_corrupts_nothing_and_leaves_nothing_behind():
     # benchmarks/soak.py with small settings: mixed threads, futures, asyncio tasks and a
     # worker process while weights are pushed; every result checked at its stamped version.
-    result = _load("benchmarks", "soak").run(4000, threads=2, futures=1, tasks=4, processes=1)
+    result = load_script("benchmarks", "soak").run(4000, threads=2, futures=1, tasks=4, processes=1)
     assert result["sent"] == result["done"] > 0
     assert (result["lost"], result["duplicated"], result["wrong"], result["errors"]) == (0, 0, 0, 0)
     assert result["pushes"] > 0
@@ -235,7 +232,7 @@ def test_every_public_name_is_in_the_api_reference():
 def test_every_docs_page_is_in_the_site_navigation():
     import yaml
 
-    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    nav = yaml.safeload_script((ROOT / "mkdocs.yml").read_text())["nav"]
 
     def pages(entries):
         for entry in entries:
@@ -247,7 +244,7 @@ def test_every_docs_page_is_in_the_site_navigation():
 
 def _ppo_recipe(tmp_path, *overrides: str):
     """The PPO recipe's module and its config, two workers of 400 frames a batch, written to ``tmp_path``."""
-    ppo_pendulum = _load("examples", "ppo_pendulum")
+    ppo_pendulum = load_script("examples", "ppo_pendulum")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(
             config_name="ppo_pendulum",
