@@ -127,6 +127,27 @@ def test_multi_row_requests_hit_when_every_row_is_cached(policy, net):
     assert (stats.cache_hits, stats.requests) == (2, 1)
 
 
+class Tagged(torch.nn.Module):
+    """Scores each row and names it in non-tensor data (a list of strings, one per row)."""
+
+    def forward(self, x: torch.Tensor):
+        scores = x.sum(-1)
+        return scores, [f"row-{float(v):g}" for v in scores]
+
+
+def test_multi_row_non_tensor_outputs_come_back_from_the_cache_in_the_requests_shape():
+    policy = TensorDictModule(Tagged(), in_keys=["x"], out_keys=["score", "tag"])
+    x = torch.arange(12.0).reshape(2, 3, 2)
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        first = remote(TensorDict(x=x.clone(), batch_size=[2, 3]))
+        again = remote(TensorDict(x=x.clone(), batch_size=[2, 3]))
+        assert server.statistics().cache_hits == 1
+    expected = [[f"row-{float(v):g}" for v in row] for row in x.sum(-1)]
+    assert first.get("tag").tolist() == expected and again.get("tag").tolist() == expected
+    assert torch.equal(again["score"], x.sum(-1))
+
+
 def test_key_fn_names_the_row(policy):
     cache = EvaluationCache(key_fn=lambda td: int(td["board_id"]))
     with BatchedPolicyServer(policy, cache=cache) as server:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from torchrl_batchserve.layout import flat_rows, shaped_rows
 from torchrl_batchserve.request import Request
 
 __all__ = ["EvaluationCache"]
@@ -166,7 +167,7 @@ class EvaluationCache:
                     followers.extend(waiting)
                     values.extend(tuple(_clone(v) for v in row) for _ in waiting)
                 else:
-                    flat = [_rows(v, request.batch_shape) for v in row]
+                    flat = [flat_rows(v, len(request.batch_shape)) for v in row]
                     for i, key in enumerate(keys):
                         self._store(key, version, tuple(_clone(f[i]) for f in flat))
         return followers, values
@@ -212,22 +213,10 @@ class EvaluationCache:
         return f"{type(self).__name__}(capacity={self.capacity}, key_fn={self.key_fn!r}, size={len(self)})"
 
 
-def _rows(value: Any, batch_shape: torch.Size) -> Any:
-    """A request's output, one item per row."""
-    if isinstance(value, (torch.Tensor, TensorDictBase)):
-        return value.flatten(0, len(batch_shape) - 1)
-    for _ in range(len(batch_shape) - 1):
-        value = [item for sub in value for item in sub]
-    return value
-
-
 def _stack(column: Sequence[Any], batch_shape: torch.Size) -> Any:
-    """The inverse of :func:`_rows`: rows back into the request's batch shape."""
+    """A request's rows (each as stored) back into its batch shape."""
     first = column[0]
     if isinstance(first, (torch.Tensor, TensorDictBase)):
         stacked = torch.stack(list(column))
         return stacked.reshape(*batch_shape, *stacked.shape[1:])
-    items = list(column)
-    for size in reversed(batch_shape[1:]):
-        items = [items[i : i + size] for i in range(0, len(items), size)]
-    return items
+    return shaped_rows(list(column), batch_shape)

@@ -21,6 +21,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_non_tensor
 
 from torchrl_batchserve.errors import PolicyError
+from torchrl_batchserve.layout import shaped_rows
 from torchrl_batchserve.request import Request
 
 __all__ = ["Collate", "FunctionCollate", "StackCollate", "as_collate", "split_rows", "split_values"]
@@ -98,13 +99,7 @@ def _split_non_tensor(value: Any, requests: Sequence[Request], total: int) -> li
     for request in requests:
         chunk = items[start : start + request.rows]
         start += request.rows
-        shape = request.batch_shape
-        if not shape:
-            column.append(chunk[0])
-        else:
-            for size in reversed(shape[1:]):  # regroup the flat rows by the request's batch shape
-                chunk = [chunk[i : i + size] for i in range(0, len(chunk), size)]
-            column.append(chunk)
+        column.append(shaped_rows(chunk, request.batch_shape) if request.batch_shape else chunk[0])
     return column
 
 

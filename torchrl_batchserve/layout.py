@@ -31,7 +31,7 @@ from tensordict import TensorDictBase, is_non_tensor
 
 from torchrl_batchserve.errors import BadRequestError
 
-__all__ = ["KeySpec", "Layout", "Validated", "entry", "layout_of"]
+__all__ = ["KeySpec", "Layout", "Validated", "entry", "flat_rows", "layout_of", "shaped_rows"]
 
 
 Fields = tuple[tuple[tuple[str, ...], Any, Any], ...]  # (leaf path, dtype, feature shape)
@@ -203,7 +203,7 @@ class Layout:
             if rows == 0:
                 raise BadRequestError(f"a request needs at least one row, got batch size {list(batch_shape)}")
             if batch_dims > 1:
-                values = [_flatten(v, rows, batch_dims) for v in values]
+                values = [flat_rows(v, batch_dims) for v in values]
         if td.device is not None:
             device = td.device
         cost = 0 if self._cost_fn is None else self._cost(td)
@@ -326,12 +326,20 @@ def _key_specs(
     return tuple(specs)
 
 
-def _flatten(value: Any, rows: int, batch_dims: int) -> Any:
+def flat_rows(value: Any, batch_dims: int) -> Any:
+    """``value`` (batch dims first) with its rows in one dim: non-tensor data as a flat list of rows."""
     if isinstance(value, torch.Tensor) or _kind(value) == "tensordict":
-        return value.reshape(rows, *value.shape[batch_dims:])
+        return value.reshape(-1, *value.shape[batch_dims:])
     items = value.tolist() if hasattr(value, "tolist") else value
     for _ in range(batch_dims - 1):
         items = [item for sub in items for item in sub]
+    return items
+
+
+def shaped_rows(items: list[Any], batch_shape: Sequence[int]) -> list[Any]:
+    """The inverse of :func:`flat_rows` for non-tensor data: a flat list of rows nested as ``batch_shape``."""
+    for size in reversed(batch_shape[1:]):
+        items = [items[i : i + size] for i in range(0, len(items), size)]
     return items
 
 
