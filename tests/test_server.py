@@ -32,6 +32,8 @@ from torchrl_batchserve import (
     ServerStatistics,
     WeightSyncError,
 )
+from torchrl_batchserve.replica import Replica, served_copy
+from torchrl_batchserve.weights import ShadowWeights
 
 # -- every caller gets policy(its own input) -----------------------------------------
 
@@ -481,6 +483,15 @@ def test_a_cuda_device_that_is_not_there_is_refused_at_construction(policy):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda': this torch build or machine has no CUDA device"):
             BatchedPolicyServer(policy, device="cuda")
+
+
+def test_only_the_delivered_outputs_go_to_the_output_device(policy):
+    # A TensorDictModule returns the batch's inputs with its outputs: they must not travel back from the device.
+    replica = Replica(served_copy(policy, None), None, ShadowWeights(TensorDict.from_module(policy)), 0)
+    output = TensorDict(observation=torch.randn(4, 8), logits=torch.randn(4, 3), batch_size=[4])
+    moved = replica.fetch(output, ["logits"], torch.device("meta"))
+    assert set(moved.keys()) == {"logits"} and moved["logits"].is_meta
+    assert replica.fetch(output, ["logits"], torch.device("cpu")) is output  # already there: nothing moves
 
 
 def test_a_server_passed_where_its_policy_goes_is_refused_with_what_to_pass(policy):

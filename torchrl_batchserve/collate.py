@@ -5,7 +5,9 @@ A collate is any object with two methods (:class:`Collate`)::
     collate(requests, keys) -> TensorDictBase     # the batch the policy sees
     split(output, requests, keys) -> columns      # columns[k][i]: key k of request i
 
-and, optionally, ``provided_keys`` (policy in_keys the collate writes itself,
+``split`` gets the policy's output, or, when the results go to another device
+than the forward's, only the keys it is asked for. A collate may also declare
+``provided_keys`` (policy in_keys the collate writes itself,
 which requests then need not carry) and ``variable_dims`` (feature dims that
 may differ between requests). :class:`StackCollate` is the default and the fast
 path; :class:`FunctionCollate` adapts a TorchRL-style

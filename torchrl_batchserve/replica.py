@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_non_tensor
 from tensordict.nn import TensorDictModuleBase, set_interaction_type
 
 from torchrl_batchserve.weights import ShadowWeights
@@ -122,13 +122,33 @@ class Replica:
                     )
         return batch if output is None else output
 
-    def fetch(self, output: TensorDictBase, device: torch.device | None) -> TensorDictBase:
-        """``output`` on ``device`` (``None``: where it is), complete and safe to read on return."""
+    def fetch(self, output: TensorDictBase, keys: Sequence[Any], device: torch.device | None) -> TensorDictBase:
+        """``output``'s ``keys`` on ``device`` (``None``: where they are), complete and safe to read on return.
+
+        Only those keys move: a ``TensorDictModule`` returns the batch's
+        inputs with its outputs, and they need not come back from the device.
+        """
         with self.on_stream():
-            output = _on(output, device)
+            if not _on_device(output, keys, device):
+                output = output.select(*keys).to(device, non_blocking=True)
             if self._stream is not None:
                 self._stream.synchronize()  # this stream only: its forward and copies are done
         return output
+
+
+def _leaves(td: TensorDictBase, keys: Sequence[Any] | None = None) -> Iterator[torch.Tensor]:
+    """The tensors of ``td`` (of its ``keys`` only, if given), nested ones included."""
+    values = td.values(True, True) if keys is None else (td.get(key) for key in keys)
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, TensorDictBase) and not is_non_tensor(value):
+            yield from _leaves(value)
+
+
+def _on_device(td: TensorDictBase, keys: Sequence[Any] | None, device: torch.device | None) -> bool:
+    """Whether the tensors of ``td`` (of its ``keys``) are on ``device`` already (``None``: wherever they are)."""
+    return device is None or td.device == device or all(v.device == device for v in _leaves(td, keys))
 
 
 def _on(td: TensorDictBase, device: torch.device | None) -> TensorDictBase:
@@ -137,8 +157,4 @@ def _on(td: TensorDictBase, device: torch.device | None) -> TensorDictBase:
     A batch TensorDict has no device of its own; ``td.to`` costs far more
     than looking at its few leaves, and most batches are already there.
     """
-    if device is None or td.device == device:
-        return td
-    if td.device is None and all(v.device == device for v in td.values(True, True) if isinstance(v, torch.Tensor)):
-        return td
-    return td.to(device, non_blocking=True)
+    return td if _on_device(td, None, device) else td.to(device, non_blocking=True)

@@ -303,11 +303,13 @@ class Serving:
         packed = not batch.batch_dims  # a packed batch has no rows: its collate checks its outputs
         output = replica.forward(batch, rows, group[0].interaction, self.max_batch_size)
         self._check(output, None if packed else rows)
-        output = replica.fetch(output, self.output_device or group[0].device)
+        device = self.output_device or group[0].device
+        output = replica.fetch(output, self.out_keys, device)
         for key in self.out_keys:
             owned(output, key, foreign)
         if self.version_key is not None:
-            output.set(self.version_key, torch.full((rows,), replica.version, dtype=torch.long, device=output.device))
+            stamp = torch.full((rows,), replica.version, dtype=torch.long, device=device or output.device)
+            output.set(self.version_key, stamp)
         return self.collate.split(output, group, self.delivered)
 
     def _check(self, output: Any, rows: int | None) -> None:
