@@ -105,10 +105,11 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any, tasks:
     ctx = mp.get_context("spawn")
     policy, make = make_payload(payload)
     barrier, results = ctx.Barrier(procs + 1), ctx.Queue()  # this process passes it too: its CPU clock starts
-    kw = {"max_batch_size": args.max_batch_size, "timeout": args.timeout, **served_on(args.device)}
+    device = getattr(args, "device", None)  # (tuning.py passes its own settings)
+    kw = {"max_batch_size": args.max_batch_size, "timeout": args.timeout, **served_on(device)}
     if system == "ours":
         if args.replicas > 1:
-            kw["device"] = [args.device or torch.device("cpu")] * args.replicas
+            kw["device"] = [device or torch.device("cpu")] * args.replicas
         server: Any = BatchedPolicyServer(policy, **kw)
         clients = [[server.remote_policy()] * tasks for _ in range(procs)]
     else:

@@ -163,7 +163,7 @@ def measure(system: str, payload: str, mode: str, actors: int, repeat: int, tota
     policy, make = make_payload(payload)
     per_actor = max(1, total // actors)
     mean_batch = 1.0
-    device = args.device  # where both servers (and the naive actors) run the policy
+    device = getattr(args, "device", None)  # where both servers (and the naive actors) run the policy
     if system == "ours":
         with BatchedPolicyServer(
             policy, max_batch_size=args.max_batch_size, timeout=args.timeout, **served_on(device)

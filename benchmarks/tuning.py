@@ -27,7 +27,7 @@ TIMEOUTS = (0.0005, 0.002, 0.008, 0.032)
 
 
 def point(mode: str, max_batch_size: int, timeout: float, total: int) -> dict:
-    args = SimpleNamespace(max_batch_size=max_batch_size, timeout=timeout, replicas=1, device=None)
+    args = SimpleNamespace(max_batch_size=max_batch_size, timeout=timeout, replicas=1)
     if mode == "processes":
         out = processes.measure("ours", "vector", 8, max(1, total // 8), args)
         rps, p99, batch = out["rps"], out["p99_ms"], out["mean_batch"]
