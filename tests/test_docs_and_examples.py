@@ -232,7 +232,7 @@ def test_every_public_name_is_in_the_api_reference():
 def test_every_docs_page_is_in_the_site_navigation():
     import yaml
 
-    nav = yaml.safeload_script((ROOT / "mkdocs.yml").read_text())["nav"]
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
 
     def pages(entries):
         for entry in entries:
