@@ -38,11 +38,14 @@ def test_output_device_and_cuda_requests():
     net = make_mlp().cuda()
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy, device="cuda", output_device="cuda") as server:
+        # "cuda" is named by its index, as tensors name their device: results already there are not moved again
+        assert server.statistics().replicas[0].device == f"cuda:{torch.cuda.current_device()}"
         td = server.remote_policy()(TensorDict(observation=torch.randn(8)))
-        assert td["logits"].device.type == "cuda"
+        assert td["logits"].device.type == "cuda" and td["policy_version"].device.type == "cuda"
     with BatchedPolicyServer(policy) as server:  # requests on the GPU: served there, answered there
         td = server.remote_policy()(TensorDict(observation=torch.randn(4, 8, device="cuda"), batch_size=[4]))
         assert td["logits"].device.type == "cuda" and td["logits"].shape == (4, 3)
+        assert td["policy_version"].device == td["logits"].device  # the stamp is made where the results go
 
 
 def test_weight_updates_reach_a_cuda_policy_in_place():

@@ -98,6 +98,8 @@ def _device(name: str, value: Any) -> torch.device | None:
             raise ValueError(f"{name}={value!r}: this torch build or machine has no CUDA device")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"{name}={value!r}: there are {torch.cuda.device_count()} CUDA devices")
+        if device.index is None:  # "cuda" is the current device: named by index, as its tensors' devices are
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
