@@ -191,8 +191,7 @@ def measure(system: str, payload: str, mode: str, actors: int, repeat: int, tota
                 )
             mean_batch = float(server.stats().get("avg_batch_size", 0.0))
     elif system == "naive":
-        policy = policy.to(device) if device is not None else policy
-        call = policy if device is None else (lambda td: policy(td.to(device)).to("cpu"))
+        call = called_on(policy, device)
         if mode == "threads":
             elapsed, lat, cpu = drive_threads(call, make, actors, per_actor)
         else:
@@ -220,6 +219,14 @@ def measure(system: str, payload: str, mode: str, actors: int, repeat: int, tota
     )
 
 
+def called_on(policy: TensorDictModule, device: torch.device | None) -> Callable[[TensorDict], TensorDict]:
+    """``policy`` as a caller without a server runs it: on ``device``, its inputs sent there and its outputs back."""
+    if device is None:
+        return policy
+    policy = policy.to(device)
+    return lambda td: policy(td.to(device)).to("cpu")  # .to("cpu") waits for the device
+
+
 def measure_floor(payload: str, batch: int, repeat: int, total: int, device: torch.device | None = None) -> Measurement:
     """The policy's batched forward alone: requests/s if every batch were full and free.
 
@@ -228,13 +235,7 @@ def measure_floor(payload: str, batch: int, repeat: int, total: int, device: tor
     policy, make = make_payload(payload)
     g = torch.Generator().manual_seed(0)
     batch_td = torch.stack([make(g) for _ in range(batch)])
-    forward = policy
-    if device is not None:
-        policy = policy.to(device)
-
-        def forward(td: TensorDict) -> TensorDict:
-            return policy(td.to(device)).to("cpu")  # .to("cpu") waits for the device
-
+    forward = called_on(policy, device)
     iters = max(3, total // batch)
     lat = []
     with torch.no_grad():
