@@ -14,11 +14,18 @@ version stamped on it. Counted:
 * ``wrong``: results that differ from the direct forward at their version, or
   whose version went backwards for their actor.
 
+``--replicas 2`` serves on two CPU replicas fed from one queue; ``--cache``
+adds an :class:`~torchrl_batchserve.EvaluationCache` and draws every row
+from one small pool of observations shared by all actors, so rows hit the
+cache and identical rows in flight coalesce, across actors and processes,
+while the versions change under them.
+
 Resources are read before the server starts, after warm-up and after close:
 RSS, open file descriptors, threads, and entries in ``/dev/shm``.
 
     python benchmarks/soak.py                   # 10^6 requests; writes docs/reliability.md
     python benchmarks/soak.py --requests 20000  # a short run (the test suite runs a small one)
+    python benchmarks/soak.py --requests 200000 --replicas 2 --cache  # replicas and the cache too
 """
 
 from __future__ import annotations
@@ -39,10 +46,11 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from torchrl_batchserve import BatchedPolicyServer
+from torchrl_batchserve import BatchedPolicyServer, EvaluationCache
 
 ROOT = Path(__file__).resolve().parents[1]
 FEATURES, ACTIONS = 8, 3
+POOL = 64  # distinct observation rows with --cache
 
 
 def make_net() -> torch.nn.Module:
@@ -62,12 +70,20 @@ def weights_at(version: int) -> dict[str, torch.Tensor]:
 
 
 class Checker:
-    """Direct forwards at each version, and the counts of one actor."""
+    """Direct forwards at each version, and the counts of one actor.
+
+    What is checked of a result's version is what the server promises: a
+    caller with one request at a time never sees it go backwards
+    (``caller``), and no request gets a version older than the newest staged
+    before it was submitted (``floor``). Requests of one caller in flight
+    together may come back in any order (a cache hit is answered at once,
+    two replicas finish in either order).
+    """
 
     def __init__(self) -> None:
         self._nets: dict[int, torch.nn.Module] = {}
         self.sent = self.done = self.wrong = self.duplicated = self.errors = 0
-        self.last_version = -1
+        self._last: dict[Any, int] = {}  # the newest version each caller has seen
         self.samples: list[str] = []
 
     def reference(self, version: int) -> torch.nn.Module:
@@ -75,73 +91,91 @@ class Checker:
         if net is None:
             net = make_net()
             net.load_state_dict(weights_at(version))
-            self._nets = {version: net}  # versions only grow per actor: keep the newest
+            if len(self._nets) >= 4:  # results come back at a few recent versions
+                del self._nets[min(self._nets)]
+            self._nets[version] = net
         return net
 
-    def check(self, td: TensorDict, marker: float) -> None:
+    def check(self, td: TensorDict, sent: TensorDict, floor: int = -1, caller: Any = None) -> None:
+        """``td``: the result of ``sent``; ``floor``: a version staged before it was submitted."""
         self.done += 1
         version = int(td["policy_version"].reshape(-1)[0])
-        if td["observation"].reshape(-1)[0].item() != marker:
+        if td is not sent:
             self.duplicated += 1  # a result that is not this request's
             return
         with torch.no_grad():
             want = self.reference(version)(td["observation"])
-        if version < self.last_version or not torch.allclose(td["logits"], want, rtol=1e-4, atol=1e-5):
+        least = max(floor, self._last.get(caller, -1)) if caller is not None else floor
+        if version < least or not torch.allclose(td["logits"], want, rtol=1e-4, atol=1e-5):
             self.wrong += 1
             if len(self.samples) < 3:
                 diff = (td["logits"] - want).abs().max().item()
-                self.samples.append(
-                    f"v{version} after v{self.last_version}, rows {list(td.batch_size)}, diff {diff:.3g}"
-                )
-        self.last_version = max(self.last_version, version)
+                self.samples.append(f"v{version}, at least v{least}, rows {list(td.batch_size)}, diff {diff:.3g}")
+        if caller is not None:
+            self._last[caller] = max(self._last.get(caller, -1), version)
 
     def counts(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("sent", "done", "wrong", "duplicated", "errors", "samples")}
 
 
-def request(rng: random.Random, marker: float) -> TensorDict:
+def pool() -> torch.Tensor:
+    """The observations every actor draws from with ``--cache`` (the same in every process)."""
+    return torch.randn(POOL, FEATURES, generator=torch.Generator().manual_seed(1))
+
+
+def request(rng: random.Random, rows_of: torch.Tensor | None) -> TensorDict:
+    """A fresh request of a single row or 1-4 rows: random, or drawn from ``rows_of``."""
     rows = rng.choice([0, 0, 1, 2, 4])  # 0: a single row (batch size [])
     shape = [rows] if rows else []
-    obs = torch.randn(*shape, FEATURES)
-    obs.view(-1)[0] = marker  # which request this is: a result must carry its own input back
+    if rows_of is None:
+        obs = torch.randn(*shape, FEATURES)
+    else:
+        obs = rows_of[[rng.randrange(len(rows_of)) for _ in range(max(rows, 1))]].reshape(*shape, FEATURES)
     return TensorDict(observation=obs, batch_size=shape)
 
 
-def blocking_actor(remote: Any, seed: int, n: int) -> dict[str, int]:
+def _unknown() -> int:
+    return -1  # a worker process does not see the trainer's pushes
+
+
+def blocking_actor(
+    remote: Any, seed: int, n: int, rows_of: torch.Tensor | None = None, staged: Any = _unknown
+) -> dict[str, int]:
     rng, checker = random.Random(seed), Checker()
-    for i in range(n):
-        marker = float(i)  # exact in float32 up to 2**24 requests per actor
-        td = request(rng, marker)
+    for _ in range(n):
+        td = request(rng, rows_of)
         checker.sent += 1
+        floor = staged()
         try:
             out = remote(td)
         except Exception:
             checker.errors += 1
             continue
-        checker.check(out, marker)
+        checker.check(out, td, floor, caller=0)
     return checker.counts()
 
 
-def future_actor(remote: Any, seed: int, n: int, depth: int = 4) -> dict[str, int]:
+def future_actor(
+    remote: Any, seed: int, n: int, rows_of: torch.Tensor | None = None, staged: Any = _unknown, depth: int = 4
+) -> dict[str, int]:
     """Keeps ``depth`` futures in flight; counts every callback."""
     rng, checker = random.Random(seed), Checker()
     lock = threading.Lock()
-    pending: list[tuple[Future, float, list[int]]] = []
+    pending: list[tuple[Future, TensorDict, int, list[int]]] = []
 
     settled: list[list[int]] = []
 
-    def settle(entry: tuple[Future, float, list[int]]) -> None:
-        future, marker, calls = entry
+    def settle(entry: tuple[Future, TensorDict, int, list[int]]) -> None:
+        future, sent, floor, calls = entry
         settled.append(calls)
         try:
             out = future.result(60)
         except Exception:
             checker.errors += 1
             return
-        checker.check(out, marker)
+        checker.check(out, sent, floor)  # several in flight: no order between them
 
-    for i in range(n):
-        marker = float(i)
+    for _ in range(n):
         checker.sent += 1
         calls = [0]
 
@@ -149,37 +183,42 @@ def future_actor(remote: Any, seed: int, n: int, depth: int = 4) -> dict[str, in
             with lock:
                 calls[0] += 1
 
-        future = remote.submit(request(rng, marker))
+        td = request(rng, rows_of)
+        floor = staged()
+        future = remote.submit(td)
         future.add_done_callback(count)
-        pending.append((future, marker, calls))
+        pending.append((future, td, floor, calls))
         if len(pending) >= depth:
             settle(pending.pop(0))
     for entry in pending:
         settle(entry)
-    for future, _, _ in pending:
+    for future, _, _, _ in pending:
         future.result(60)
     # A future's callbacks run right after its result is set: by the time
     # every result has been read and a later request served, they have run.
-    remote(request(rng, -1.0))
+    remote(request(rng, None))
     with lock:
         checker.duplicated += sum(calls[0] != 1 for calls in settled)
     return checker.counts()
 
 
-def task_actors(remote: Any, seed: int, tasks: int, n: int) -> dict[str, int]:
+def task_actors(
+    remote: Any, seed: int, tasks: int, n: int, rows_of: torch.Tensor | None = None, staged: Any = _unknown
+) -> dict[str, int]:
     checker = Checker()
 
     async def one(k: int) -> None:
         rng = random.Random(seed + k)
-        for i in range(n):
-            marker = float(i)
+        for _ in range(n):
+            td = request(rng, rows_of)
             checker.sent += 1
+            floor = staged()
             try:
-                out = await remote.acall(request(rng, marker))
+                out = await remote.acall(td)
             except Exception:
                 checker.errors += 1
                 continue
-            checker.check(out, marker)
+            checker.check(out, td, floor, caller=k)  # each task is a caller with one request at a time
 
     async def main() -> None:
         await asyncio.gather(*(one(k) for k in range(tasks)))
@@ -188,9 +227,9 @@ def task_actors(remote: Any, seed: int, tasks: int, n: int) -> dict[str, int]:
     return checker.counts()
 
 
-def process_actor(remote: Any, seed: int, n: int, results: Any) -> None:
+def process_actor(remote: Any, seed: int, n: int, cached: bool, results: Any) -> None:
     torch.set_num_threads(1)
-    results.put(blocking_actor(remote, seed, n))
+    results.put(blocking_actor(remote, seed, n, pool() if cached else None))
 
 
 def _target(fd: str) -> str:
@@ -212,8 +251,20 @@ def resources() -> dict[str, Any]:
     }
 
 
-def run(requests: int, threads: int = 4, futures: int = 2, tasks: int = 16, processes: int = 2) -> dict[str, Any]:
-    """One soak of about ``requests`` requests; the counts and the resources before, after warm-up and after."""
+def run(
+    requests: int,
+    threads: int = 4,
+    futures: int = 2,
+    tasks: int = 16,
+    processes: int = 2,
+    replicas: int = 1,
+    cache: bool = False,
+) -> dict[str, Any]:
+    """One soak of about ``requests`` requests; the counts and the resources before, after warm-up and after.
+
+    ``replicas``: CPU replicas serving the one queue. ``cache``: an evaluation
+    cache, and every row drawn from :func:`pool`.
+    """
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     results_queue = ctx.Queue()
@@ -225,7 +276,11 @@ def run(requests: int, threads: int = 4, futures: int = 2, tasks: int = 16, proc
     trainer = TensorDictModule(make_net(), in_keys=["observation"], out_keys=["logits"])
     started = time.perf_counter()
     totals = {"sent": 0, "done": 0, "wrong": 0, "duplicated": 0, "errors": 0}
-    with BatchedPolicyServer(policy, max_batch_size=32, timeout=0.002) as server:
+    rows_of = pool() if cache else None
+    served = {"device": ["cpu"] * replicas} if replicas > 1 else {}
+    if cache:
+        served["cache"] = EvaluationCache(capacity=POOL // 2)  # smaller than the pool: entries are evicted too
+    with BatchedPolicyServer(policy, max_batch_size=32, timeout=0.002, **served) as server:
         remote = server.remote_policy()
         stop = threading.Event()
         pushes = [0]
@@ -238,12 +293,15 @@ def run(requests: int, threads: int = 4, futures: int = 2, tasks: int = 16, proc
                 assert server.update_weights(trainer) == version
                 pushes[0] = version
 
+        def staged() -> int:
+            return pushes[0]  # staged once update_weights returned: a result submitted now is no older
+
         blocking_actor(remote, 999, 50)  # warm-up: the layout, the first batches
         warm = resources()
         pusher = threading.Thread(target=push_forever, daemon=True)
         pusher.start()
         workers = [
-            ctx.Process(target=process_actor, args=(remote, 100 + i, per_actor, results_queue))
+            ctx.Process(target=process_actor, args=(remote, 100 + i, per_actor, cache, results_queue))
             for i in range(processes)
         ]
         for w in workers:
@@ -256,11 +314,17 @@ def run(requests: int, threads: int = 4, futures: int = 2, tasks: int = 16, proc
             with lock:
                 outcomes.append(counts)
 
-        local = [threading.Thread(target=record, args=(blocking_actor, remote, i, per_actor)) for i in range(threads)]
-        local += [
-            threading.Thread(target=record, args=(future_actor, remote, 50 + i, per_actor)) for i in range(futures)
+        local = [
+            threading.Thread(target=record, args=(blocking_actor, remote, i, per_actor, rows_of, staged))
+            for i in range(threads)
         ]
-        local.append(threading.Thread(target=record, args=(task_actors, remote, 200, tasks, per_actor)))
+        local += [
+            threading.Thread(target=record, args=(future_actor, remote, 50 + i, per_actor, rows_of, staged))
+            for i in range(futures)
+        ]
+        local.append(
+            threading.Thread(target=record, args=(task_actors, remote, 200, tasks, per_actor, rows_of, staged))
+        )
         for t in local:
             t.start()
         for t in local:
@@ -291,29 +355,46 @@ def run(requests: int, threads: int = 4, futures: int = 2, tasks: int = 16, proc
         "pushes": pushes[0],
         "batches": stats.batches,
         "mean_batch": stats.mean_batch_size,
+        "replica_batches": [r.batches for r in stats.replicas],
+        "cache_hits": stats.cache_hits,
+        "cache_coalesced": stats.cache_coalesced,
         "before": before,
         "warm": warm,
         "after": after,
     }
 
 
+_TITLE = "# Reliability: the soak"
+_INTRO = (
+    "Actor threads (blocking calls and Futures, four in flight each), asyncio tasks and spawned worker "
+    "processes send requests of 1 to 4 rows or single rows while a trainer thread pushes new weights every "
+    "50 ms. Every result is checked against a direct forward of the weights of the version stamped on it, "
+    "and its version against what the server promises: never older than the newest staged before the request "
+    "was sent, and never older than the last one its caller got for a caller with one request at a time."
+)
+
+
 def write_report(result: dict[str, Any], args: Any) -> Path:
+    """Write this configuration's section of ``reliability.md``; the other configurations' sections stay."""
     b, w, a = result["before"], result["warm"], result["after"]
-    lines = [
-        "# Reliability: the soak",
+    flags = f" --replicas {args.replicas}" * (args.replicas > 1) + " --cache" * args.cache
+    setting = f"{args.replicas} CPU replica{'s' * (args.replicas > 1)}" + (
+        f", the evaluation cache (rows drawn from one pool of {POOL}, a cache of {POOL // 2})" if args.cache else ""
+    )
+    section = [
+        f"## {setting}",
         "",
-        f"Produced by `python benchmarks/soak.py --requests {args.requests}` on this machine "
+        f"Produced by `python benchmarks/soak.py --requests {args.requests}{flags}` on this machine "
         f"({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}.",
-        "",
-        "Actor threads (blocking calls and Futures, four in flight each), asyncio tasks and spawned worker "
-        "processes send requests of 1 to 4 rows or single rows while a trainer thread pushes new weights every "
-        "50 ms. Every result is checked against a direct forward of the weights of the version stamped on it.",
         "",
         "| requests | lost | duplicated | wrong | errors | weight pushes | batches | mean batch | req/s |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {result['sent']:,} | {result['lost']} | {result['duplicated']} | {result['wrong']} | {result['errors']} "
         f"| {result['pushes']} | {result['batches']:,} | {result['mean_batch']:.1f} "
         f"| {result['requests_per_s']:,.0f} |",
+        "",
+        f"Batches per replica: {', '.join(f'{n:,}' for n in result['replica_batches'])}. "
+        f"Cache hits: {result['cache_hits']:,}; coalesced rows: {result['cache_coalesced']:,}.",
         "",
         "| resource | before the server | after warm-up | after close |",
         "|---|---:|---:|---:|",
@@ -326,16 +407,22 @@ def write_report(result: dict[str, Any], args: Any) -> Path:
         "",
     ]
     path = args.out / "reliability.md"
-    path.write_text("\n".join(lines))
+    sections = path.read_text().split("\n## ")[1:] if path.exists() else []
+    kept = ["## " + text.rstrip("\n") + "\n" for text in sections if not text.startswith(f"{setting}\n")]
+    mine = "\n".join(section)
+    body = sorted([*kept, mine])  # one replica first
+    path.write_text("\n".join([_TITLE, "", _INTRO, "", *body]))
     return path
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=1_000_000)
+    parser.add_argument("--replicas", type=int, default=1, help="CPU replicas serving the one queue")
+    parser.add_argument("--cache", action="store_true", help="an evaluation cache, rows from one shared pool")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     args = parser.parse_args(argv)
-    result = run(args.requests)
+    result = run(args.requests, replicas=args.replicas, cache=args.cache)
     print({k: v for k, v in result.items() if k not in ("before", "warm", "after")})
     print("before", result["before"], "\nwarm  ", result["warm"], "\nafter ", result["after"])
     if args.requests >= 100_000:

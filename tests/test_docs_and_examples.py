@@ -207,13 +207,21 @@ def test_mcts_benchmark_quick_smoke(tmp_path):
     assert (tmp_path / "benchmarks_mcts_quick.md").exists() and (tmp_path / "benchmarks_mcts_quick.png").exists()
 
 
-def test_a_short_soak_loses_duplicates_and_corrupts_nothing_and_leaves_nothing_behind():
+@pytest.mark.parametrize("replicas, cache", [(1, False), (2, True)], ids=["one-replica", "two-replicas-cache"])
+def test_a_short_soak_loses_duplicates_and_corrupts_nothing_and_leaves_nothing_behind(replicas, cache):
     # benchmarks/soak.py with small settings: mixed threads, futures, asyncio tasks and a
-    # worker process while weights are pushed; every result checked at its stamped version.
-    result = load_script("benchmarks", "soak").run(4000, threads=2, futures=1, tasks=4, processes=1)
+    # worker process while weights are pushed; every result checked at its stamped version
+    # (no older than the newest staged before it was sent; never older for one caller with one
+    # request at a time). With two replicas and the cache, rows come from one pool, so hits and
+    # coalesced rows are checked too.
+    result = load_script("benchmarks", "soak").run(
+        4000, threads=2, futures=1, tasks=4, processes=1, replicas=replicas, cache=cache
+    )
     assert result["sent"] == result["done"] > 0
     assert (result["lost"], result["duplicated"], result["wrong"], result["errors"]) == (0, 0, 0, 0)
     assert result["pushes"] > 0
+    assert len(result["replica_batches"]) == replicas and all(result["replica_batches"])
+    assert (result["cache_hits"] > 0) == cache
     before, after = result["before"], result["after"]
     assert after["fds"] <= before["fds"] and after["threads"] <= before["threads"]  # others may end meanwhile
     assert after["dev_shm"] <= before["dev_shm"]
