@@ -2,17 +2,18 @@
 
 Actor threads (``remote(td)`` and ``remote.submit(td)``), asyncio tasks
 (``await remote.acall(td)``) and spawned worker processes (a pickled
-``RemotePolicy``) send requests of random sizes (single rows and 1-4 rows)
-while a trainer thread pushes new weights throughout. The weights of version
-``v`` are a pure function of ``v`` (:func:`weights_at`), so every actor, in any
-process, checks each result against a direct forward of the weights of the
+``RemotePolicy``, shared by a blocking caller and asyncio tasks) send
+requests of random sizes (single rows and 1-4 rows) while a trainer thread
+pushes new weights throughout. The weights of version ``v`` are a pure
+function of ``v`` (:func:`weights_at`), so every actor, in any process,
+checks each result against a direct forward of the weights of the
 version stamped on it. Counted:
 
 * ``lost``: requests sent that never completed (or completed with an error);
-* ``duplicated``: results delivered twice (a Future's callback run twice, a
-  reply for another request);
+* ``duplicated``: results delivered twice (a Future's callback run twice), or
+  in a TensorDict other than the one sent;
 * ``wrong``: results that differ from the direct forward at their version, or
-  whose version went backwards for their actor.
+  whose version breaks the server's promise (:class:`Checker`).
 
 ``--replicas 2`` serves on two CPU replicas fed from one queue; ``--cache``
 adds an :class:`~torchrl_batchserve.EvaluationCache` and draws every row
@@ -227,9 +228,19 @@ def task_actors(
     return checker.counts()
 
 
-def process_actor(remote: Any, seed: int, n: int, cached: bool, results: Any) -> None:
+def process_actor(remote: Any, seed: int, n: int, cached: bool, tasks: int, results: Any) -> None:
+    """A worker process: a blocking caller and ``tasks`` asyncio tasks (another thread) share its one copy."""
     torch.set_num_threads(1)
-    results.put(blocking_actor(remote, seed, n, pool() if cached else None))
+    rows_of = pool() if cached else None
+    of_tasks: list[dict[str, Any]] = []
+    loop = threading.Thread(target=lambda: of_tasks.append(task_actors(remote, seed + 1000, tasks, n, rows_of)))
+    if tasks:
+        loop.start()
+    counts = blocking_actor(remote, seed, n, rows_of)
+    if tasks:
+        loop.join()
+        counts = {k: v + of_tasks[0][k] for k, v in counts.items()}  # (the samples are lists)
+    results.put(counts)
 
 
 def _target(fd: str) -> str:
@@ -257,12 +268,14 @@ def run(
     futures: int = 2,
     tasks: int = 16,
     processes: int = 2,
+    worker_tasks: int = 4,
     replicas: int = 1,
     cache: bool = False,
 ) -> dict[str, Any]:
     """One soak of about ``requests`` requests; the counts and the resources before, after warm-up and after.
 
-    ``replicas``: CPU replicas serving the one queue. ``cache``: an evaluation
+    ``worker_tasks``: asyncio tasks in each worker process, besides its
+    blocking caller. ``replicas``: CPU replicas serving the one queue. ``cache``: an evaluation
     cache, and every row drawn from :func:`pool`.
     """
     torch.set_num_threads(1)
@@ -271,7 +284,7 @@ def run(
     gc.collect()
     before = resources()
     actors = threads + futures + 1 + processes  # the tasks share one event loop thread
-    per_actor = max(1, requests // (threads + futures + tasks + processes))
+    per_actor = max(1, requests // (threads + futures + tasks + processes * (1 + worker_tasks)))
     policy = TensorDictModule(make_net(), in_keys=["observation"], out_keys=["logits"])
     trainer = TensorDictModule(make_net(), in_keys=["observation"], out_keys=["logits"])
     started = time.perf_counter()
@@ -301,7 +314,7 @@ def run(
         pusher = threading.Thread(target=push_forever, daemon=True)
         pusher.start()
         workers = [
-            ctx.Process(target=process_actor, args=(remote, 100 + i, per_actor, cache, results_queue))
+            ctx.Process(target=process_actor, args=(remote, 100 + i, per_actor, cache, worker_tasks, results_queue))
             for i in range(processes)
         ]
         for w in workers:
@@ -367,7 +380,8 @@ def run(
 _TITLE = "# Reliability: the soak"
 _INTRO = (
     "Actor threads (blocking calls and Futures, four in flight each), asyncio tasks and spawned worker "
-    "processes send requests of 1 to 4 rows or single rows while a trainer thread pushes new weights every "
+    "processes (a blocking caller and four asyncio tasks each, on one RemotePolicy copy) send requests of "
+    "1 to 4 rows or single rows while a trainer thread pushes new weights every "
     "50 ms. Every result is checked against a direct forward of the weights of the version stamped on it, "
     "and its version against what the server promises: never older than the newest staged before the request "
     "was sent, and never older than the last one its caller got for a caller with one request at a time."
