@@ -27,6 +27,7 @@ RSS, open file descriptors, threads, and entries in ``/dev/shm``.
     python benchmarks/soak.py                   # 10^6 requests; writes docs/reliability.md
     python benchmarks/soak.py --requests 20000  # a short run (the test suite runs a small one)
     python benchmarks/soak.py --requests 200000 --replicas 2 --cache  # replicas and the cache too
+    python benchmarks/soak.py --requests 200000 --faults  # poisoned rows, cancelled calls, a killed worker
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import os
 import random
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from torchrl_batchserve import BatchedPolicyServer, EvaluationCache
 ROOT = Path(__file__).resolve().parents[1]
 FEATURES, ACTIONS = 8, 3
 POOL = 64  # distinct observation rows with --cache
+POISON = 1e6  # a row whose first feature is this fails its batch (--faults)
 
 
 def make_net() -> torch.nn.Module:
@@ -62,6 +64,19 @@ def make_net() -> torch.nn.Module:
         for param in net.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.3)
     return net
+
+
+class Poisonable(torch.nn.Module):
+    """The soak's net, raising for a batch that holds a poisoned row (a policy's own error, ``--faults``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x[..., 0] == POISON).any()):
+            raise ValueError("poisoned row")
+        return self.net(x)
 
 
 def weights_at(version: int) -> dict[str, torch.Tensor]:
@@ -83,7 +98,7 @@ class Checker:
 
     def __init__(self) -> None:
         self._nets: dict[int, torch.nn.Module] = {}
-        self.sent = self.done = self.wrong = self.duplicated = self.errors = 0
+        self.sent = self.done = self.wrong = self.duplicated = self.errors = self.refused = self.cancelled = 0
         self._last: dict[Any, int] = {}  # the newest version each caller has seen
         self.samples: list[str] = []
 
@@ -104,6 +119,9 @@ class Checker:
         if td is not sent:
             self.duplicated += 1  # a result that is not this request's
             return
+        if bool((td["observation"][..., 0] == POISON).any()):
+            self.wrong += 1  # its batch raised: it cannot have a result
+            return
         with torch.no_grad():
             want = self.reference(version)(td["observation"])
         least = max(floor, self._last.get(caller, -1)) if caller is not None else floor
@@ -115,8 +133,23 @@ class Checker:
         if caller is not None:
             self._last[caller] = max(self._last.get(caller, -1), version)
 
+    def failed(self, error: BaseException, timed_out: bool = False) -> None:
+        """A call that raised: cancelled by its caller, or its batch held a poisoned row; anything else is wrong.
+
+        ``timed_out``: the caller gave it a timeout (a ``TimeoutError`` is then its caller's cancellation).
+        """
+        if isinstance(error, CancelledError) or (timed_out and isinstance(error, TimeoutError)):
+            self.cancelled += 1  # cancelled by its caller (--faults)
+        elif "poisoned row" in str(error):
+            self.refused += 1  # its batch held a poisoned row: a row of its own or of a neighbour's
+        else:
+            self.errors += 1
+            if len(self.samples) < 3:
+                self.samples.append(repr(error))
+
     def counts(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("sent", "done", "wrong", "duplicated", "errors", "samples")}
+        names = ("sent", "done", "wrong", "duplicated", "errors", "refused", "cancelled", "samples")
+        return {k: getattr(self, k) for k in names}
 
 
 def pool() -> torch.Tensor:
@@ -124,41 +157,56 @@ def pool() -> torch.Tensor:
     return torch.randn(POOL, FEATURES, generator=torch.Generator().manual_seed(1))
 
 
-def request(rng: random.Random, rows_of: torch.Tensor | None) -> TensorDict:
-    """A fresh request of a single row or 1-4 rows: random, or drawn from ``rows_of``."""
-    rows = rng.choice([0, 0, 1, 2, 4])  # 0: a single row (batch size [])
-    shape = [rows] if rows else []
-    if rows_of is None:
-        obs = torch.randn(*shape, FEATURES)
-    else:
-        obs = rows_of[[rng.randrange(len(rows_of)) for _ in range(max(rows, 1))]].reshape(*shape, FEATURES)
-    return TensorDict(observation=obs, batch_size=shape)
-
-
 def _unknown() -> int:
     return -1  # a worker process does not see the trainer's pushes
 
 
-def blocking_actor(
-    remote: Any, seed: int, n: int, rows_of: torch.Tensor | None = None, staged: Any = _unknown
-) -> dict[str, int]:
+class Mix:
+    """What every actor of one soak shares.
+
+    Args:
+        rows_of: draw every row from this pool (``--cache``), else random rows.
+        faults: poison one request in 200 (its batch raises) and cancel one
+            call in 7 right after it is sent.
+        staged: a version staged by now (the trainer's process only).
+    """
+
+    def __init__(self, rows_of: torch.Tensor | None, faults: bool, staged: Any = _unknown) -> None:
+        self.rows_of, self.faults, self.staged = rows_of, faults, staged
+
+    def request(self, rng: random.Random) -> TensorDict:
+        """A fresh request of a single row or 1-4 rows."""
+        rows = rng.choice([0, 0, 1, 2, 4])  # 0: a single row (batch size [])
+        shape = [rows] if rows else []
+        if self.rows_of is None:
+            obs = torch.randn(*shape, FEATURES)
+        else:
+            obs = self.rows_of[[rng.randrange(len(self.rows_of)) for _ in range(max(rows, 1))]]
+            obs = obs.reshape(*shape, FEATURES)
+        if self.faults and rng.random() < 0.005:
+            obs.view(-1, FEATURES)[0, 0] = POISON
+        return TensorDict(observation=obs, batch_size=shape)
+
+    def cancels(self, rng: random.Random) -> bool:
+        return self.faults and rng.random() < 1 / 7
+
+
+def blocking_actor(remote: Any, seed: int, n: int, mix: Mix) -> dict[str, Any]:
     rng, checker = random.Random(seed), Checker()
     for _ in range(n):
-        td = request(rng, rows_of)
+        td = mix.request(rng)
         checker.sent += 1
-        floor = staged()
+        floor = mix.staged()
         try:
             out = remote(td)
-        except Exception:
-            checker.errors += 1
+        except Exception as err:
+            checker.failed(err)
             continue
         checker.check(out, td, floor, caller=0)
     return checker.counts()
 
 
-def future_actor(
-    remote: Any, seed: int, n: int, rows_of: torch.Tensor | None = None, staged: Any = _unknown, depth: int = 4
-) -> dict[str, int]:
+def future_actor(remote: Any, seed: int, n: int, mix: Mix, depth: int = 4) -> dict[str, Any]:
     """Keeps ``depth`` futures in flight; counts every callback."""
     rng, checker = random.Random(seed), Checker()
     lock = threading.Lock()
@@ -171,8 +219,8 @@ def future_actor(
         settled.append(calls)
         try:
             out = future.result(60)
-        except Exception:
-            checker.errors += 1
+        except Exception as err:
+            checker.failed(err)
             return
         checker.check(out, sent, floor)  # several in flight: no order between them
 
@@ -184,40 +232,39 @@ def future_actor(
             with lock:
                 calls[0] += 1
 
-        td = request(rng, rows_of)
-        floor = staged()
+        td = mix.request(rng)
+        floor = mix.staged()
         future = remote.submit(td)
         future.add_done_callback(count)
+        if mix.cancels(rng):
+            future.cancel()  # refused once it runs; then it completes as usual
         pending.append((future, td, floor, calls))
         if len(pending) >= depth:
             settle(pending.pop(0))
     for entry in pending:
         settle(entry)
-    for future, _, _, _ in pending:
-        future.result(60)
     # A future's callbacks run right after its result is set: by the time
     # every result has been read and a later request served, they have run.
-    remote(request(rng, None))
+    remote(Mix(None, False).request(rng))
     with lock:
         checker.duplicated += sum(calls[0] != 1 for calls in settled)
     return checker.counts()
 
 
-def task_actors(
-    remote: Any, seed: int, tasks: int, n: int, rows_of: torch.Tensor | None = None, staged: Any = _unknown
-) -> dict[str, int]:
+def task_actors(remote: Any, seed: int, tasks: int, n: int, mix: Mix) -> dict[str, Any]:
     checker = Checker()
 
     async def one(k: int) -> None:
         rng = random.Random(seed + k)
         for _ in range(n):
-            td = request(rng, rows_of)
+            td = mix.request(rng)
             checker.sent += 1
-            floor = staged()
+            floor = mix.staged()
+            timeout = 5e-4 if mix.cancels(rng) else None  # --faults: cancelled if it takes longer
             try:
-                out = await remote.acall(td)
-            except Exception:
-                checker.errors += 1
+                out = await asyncio.wait_for(remote.acall(td), timeout)
+            except Exception as err:
+                checker.failed(err, timed_out=timeout is not None)
                 continue
             checker.check(out, td, floor, caller=k)  # each task is a caller with one request at a time
 
@@ -228,19 +275,20 @@ def task_actors(
     return checker.counts()
 
 
-def process_actor(remote: Any, seed: int, n: int, cached: bool, tasks: int, results: Any) -> None:
+def process_actor(remote: Any, seed: int, n: int, cached: bool, faults: bool, tasks: int, results: Any) -> None:
     """A worker process: a blocking caller and ``tasks`` asyncio tasks (another thread) share its one copy."""
     torch.set_num_threads(1)
-    rows_of = pool() if cached else None
+    mix = Mix(pool() if cached else None, faults)
     of_tasks: list[dict[str, Any]] = []
-    loop = threading.Thread(target=lambda: of_tasks.append(task_actors(remote, seed + 1000, tasks, n, rows_of)))
+    loop = threading.Thread(target=lambda: of_tasks.append(task_actors(remote, seed + 1000, tasks, n, mix)))
     if tasks:
         loop.start()
-    counts = blocking_actor(remote, seed, n, rows_of)
+    counts = blocking_actor(remote, seed, n, mix)
     if tasks:
         loop.join()
         counts = {k: v + of_tasks[0][k] for k, v in counts.items()}  # (the samples are lists)
-    results.put(counts)
+    if results is not None:
+        results.put(counts)
 
 
 def _target(fd: str) -> str:
@@ -271,12 +319,16 @@ def run(
     worker_tasks: int = 4,
     replicas: int = 1,
     cache: bool = False,
+    faults: bool = False,
 ) -> dict[str, Any]:
     """One soak of about ``requests`` requests; the counts and the resources before, after warm-up and after.
 
     ``worker_tasks``: asyncio tasks in each worker process, besides its
-    blocking caller. ``replicas``: CPU replicas serving the one queue. ``cache``: an evaluation
-    cache, and every row drawn from :func:`pool`.
+    blocking caller. ``replicas``: CPU replicas serving the one queue.
+    ``cache``: an evaluation cache, and every row drawn from :func:`pool`.
+    ``faults``: poisoned rows and cancelled calls (:class:`Mix`), and one
+    more worker process, killed (``SIGKILL``) a second into the run with
+    requests in flight.
     """
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
@@ -285,11 +337,10 @@ def run(
     before = resources()
     actors = threads + futures + 1 + processes  # the tasks share one event loop thread
     per_actor = max(1, requests // (threads + futures + tasks + processes * (1 + worker_tasks)))
-    policy = TensorDictModule(make_net(), in_keys=["observation"], out_keys=["logits"])
-    trainer = TensorDictModule(make_net(), in_keys=["observation"], out_keys=["logits"])
+    policy = TensorDictModule(Poisonable(), in_keys=["observation"], out_keys=["logits"])
+    trainer = TensorDictModule(Poisonable(), in_keys=["observation"], out_keys=["logits"])
     started = time.perf_counter()
-    totals = {"sent": 0, "done": 0, "wrong": 0, "duplicated": 0, "errors": 0}
-    rows_of = pool() if cache else None
+    totals = dict.fromkeys(("sent", "done", "wrong", "duplicated", "errors", "refused", "cancelled"), 0)
     served = {"device": ["cpu"] * replicas} if replicas > 1 else {}
     if cache:
         served["cache"] = EvaluationCache(capacity=POOL // 2)  # smaller than the pool: entries are evicted too
@@ -302,22 +353,28 @@ def run(
             version = 0
             while not stop.wait(0.05):
                 version += 1
-                trainer.module.load_state_dict(weights_at(version))
+                trainer.module.net.load_state_dict(weights_at(version))
                 assert server.update_weights(trainer) == version
                 pushes[0] = version
 
         def staged() -> int:
             return pushes[0]  # staged once update_weights returned: a result submitted now is no older
 
-        blocking_actor(remote, 999, 50)  # warm-up: the layout, the first batches
+        mix = Mix(pool() if cache else None, faults, staged)
+        blocking_actor(remote, 999, 50, Mix(None, False))  # warm-up: the layout, the first batches
         warm = resources()
         pusher = threading.Thread(target=push_forever, daemon=True)
         pusher.start()
         workers = [
-            ctx.Process(target=process_actor, args=(remote, 100 + i, per_actor, cache, worker_tasks, results_queue))
+            ctx.Process(
+                target=process_actor, args=(remote, 100 + i, per_actor, cache, faults, worker_tasks, results_queue)
+            )
             for i in range(processes)
         ]
-        for w in workers:
+        victim = None
+        if faults:  # calls until it is killed; it reports nothing
+            victim = ctx.Process(target=process_actor, args=(remote, 99, 10**9, cache, faults, worker_tasks, None))
+        for w in [*workers, victim] if victim is not None else workers:
             w.start()
         outcomes: list[dict[str, int]] = []
         lock = threading.Lock()
@@ -328,18 +385,19 @@ def run(
                 outcomes.append(counts)
 
         local = [
-            threading.Thread(target=record, args=(blocking_actor, remote, i, per_actor, rows_of, staged))
-            for i in range(threads)
+            threading.Thread(target=record, args=(blocking_actor, remote, i, per_actor, mix)) for i in range(threads)
         ]
         local += [
-            threading.Thread(target=record, args=(future_actor, remote, 50 + i, per_actor, rows_of, staged))
-            for i in range(futures)
+            threading.Thread(target=record, args=(future_actor, remote, 50 + i, per_actor, mix)) for i in range(futures)
         ]
-        local.append(
-            threading.Thread(target=record, args=(task_actors, remote, 200, tasks, per_actor, rows_of, staged))
-        )
+        local.append(threading.Thread(target=record, args=(task_actors, remote, 200, tasks, per_actor, mix)))
         for t in local:
             t.start()
+        if victim is not None:
+            time.sleep(1.0)  # mid-run, with requests in flight
+            victim.kill()
+            victim.join()
+            victim.close()
         for t in local:
             t.join()
         outcomes += [results_queue.get(timeout=600) for _ in workers]
@@ -362,7 +420,7 @@ def run(
     return {
         **totals,
         "wrong_samples": samples[:5],
-        "lost": totals["sent"] - totals["done"] - totals["errors"],
+        "lost": totals["sent"] - totals["done"] - totals["errors"] - totals["refused"] - totals["cancelled"],
         "elapsed_s": elapsed,
         "requests_per_s": totals["sent"] / elapsed,
         "pushes": pushes[0],
@@ -391,9 +449,11 @@ _INTRO = (
 def write_report(result: dict[str, Any], args: Any) -> Path:
     """Write this configuration's section of ``reliability.md``; the other configurations' sections stay."""
     b, w, a = result["before"], result["warm"], result["after"]
-    flags = f" --replicas {args.replicas}" * (args.replicas > 1) + " --cache" * args.cache
-    setting = f"{args.replicas} CPU replica{'s' * (args.replicas > 1)}" + (
-        f", the evaluation cache (rows drawn from one pool of {POOL}, a cache of {POOL // 2})" if args.cache else ""
+    flags = f" --replicas {args.replicas}" * (args.replicas > 1) + " --cache" * args.cache + " --faults" * args.faults
+    setting = (
+        f"{args.replicas} CPU replica{'s' * (args.replicas > 1)}"
+        + (f", the evaluation cache (rows drawn from one pool of {POOL}, a cache of {POOL // 2})" if args.cache else "")
+        + (", faults" if args.faults else "")
     )
     section = [
         f"## {setting}",
@@ -401,10 +461,12 @@ def write_report(result: dict[str, Any], args: Any) -> Path:
         f"Produced by `python benchmarks/soak.py --requests {args.requests}{flags}` on this machine "
         f"({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}.",
         "",
-        "| requests | lost | duplicated | wrong | errors | weight pushes | batches | mean batch | req/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| requests | lost | duplicated | wrong | errors | refused (poisoned batch) | cancelled | weight pushes "
+        "| batches | mean batch | req/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {result['sent']:,} | {result['lost']} | {result['duplicated']} | {result['wrong']} | {result['errors']} "
-        f"| {result['pushes']} | {result['batches']:,} | {result['mean_batch']:.1f} "
+        f"| {result['refused']:,} | {result['cancelled']:,} | {result['pushes']} | {result['batches']:,} "
+        f"| {result['mean_batch']:.1f} "
         f"| {result['requests_per_s']:,.0f} |",
         "",
         f"Batches per replica: {', '.join(f'{n:,}' for n in result['replica_batches'])}. "
@@ -434,9 +496,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--requests", type=int, default=1_000_000)
     parser.add_argument("--replicas", type=int, default=1, help="CPU replicas serving the one queue")
     parser.add_argument("--cache", action="store_true", help="an evaluation cache, rows from one shared pool")
+    parser.add_argument("--faults", action="store_true", help="poisoned rows, cancelled calls, a killed worker")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     args = parser.parse_args(argv)
-    result = run(args.requests, replicas=args.replicas, cache=args.cache)
+    result = run(args.requests, replicas=args.replicas, cache=args.cache, faults=args.faults)
     print({k: v for k, v in result.items() if k not in ("before", "warm", "after")})
     print("before", result["before"], "\nwarm  ", result["warm"], "\nafter ", result["after"])
     if args.requests >= 100_000:

@@ -207,18 +207,25 @@ def test_mcts_benchmark_quick_smoke(tmp_path):
     assert (tmp_path / "benchmarks_mcts_quick.md").exists() and (tmp_path / "benchmarks_mcts_quick.png").exists()
 
 
-@pytest.mark.parametrize("replicas, cache", [(1, False), (2, True)], ids=["one-replica", "two-replicas-cache"])
-def test_a_short_soak_loses_duplicates_and_corrupts_nothing_and_leaves_nothing_behind(replicas, cache):
+@pytest.mark.parametrize(
+    "replicas, cache, faults",
+    [(1, False, False), (2, True, False), (2, True, True)],
+    ids=["one-replica", "two-replicas-cache", "two-replicas-cache-faults"],
+)
+def test_a_short_soak_loses_duplicates_and_corrupts_nothing_and_leaves_nothing_behind(replicas, cache, faults):
     # benchmarks/soak.py with small settings: mixed threads, futures, asyncio tasks and a
     # worker process while weights are pushed; every result checked at its stamped version
     # (no older than the newest staged before it was sent; never older for one caller with one
     # request at a time). With two replicas and the cache, rows come from one pool, so hits and
-    # coalesced rows are checked too.
+    # coalesced rows are checked too. With faults, some rows make their batch raise, some calls
+    # are cancelled and a worker is killed mid-run: each of those requests fails or is cancelled,
+    # never lost and never answered wrongly, and every other request is served.
     result = load_script("benchmarks", "soak").run(
-        4000, threads=2, futures=1, tasks=4, processes=1, replicas=replicas, cache=cache
+        4000, threads=2, futures=1, tasks=4, processes=1, replicas=replicas, cache=cache, faults=faults
     )
-    assert result["sent"] == result["done"] > 0
+    assert result["sent"] >= result["done"] > 0
     assert (result["lost"], result["duplicated"], result["wrong"], result["errors"]) == (0, 0, 0, 0)
+    assert (result["refused"] > 0, result["cancelled"] > 0) == (faults, faults)
     assert result["pushes"] > 0
     assert len(result["replica_batches"]) == replicas and all(result["replica_batches"])
     assert (result["cache_hits"] > 0) == cache
