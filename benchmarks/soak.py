@@ -442,7 +442,10 @@ _INTRO = (
     "1 to 4 rows or single rows while a trainer thread pushes new weights every "
     "50 ms. Every result is checked against a direct forward of the weights of the version stamped on it, "
     "and its version against what the server promises: never older than the newest staged before the request "
-    "was sent, and never older than the last one its caller got for a caller with one request at a time."
+    "was sent, and never older than the last one its caller got for a caller with one request at a time. "
+    "With faults, one request in 200 holds a row that makes its batch raise (that batch's requests are refused "
+    "with the policy's error), one call in 7 is cancelled by its caller, and one more worker process is killed "
+    "with SIGKILL a second into the run."
 )
 
 
