@@ -9,7 +9,8 @@ function of ``v`` (:func:`weights_at`), so every actor, in any process,
 checks each result against a direct forward of the weights of the
 version stamped on it. Counted:
 
-* ``lost``: requests sent that never completed (or completed with an error);
+* ``lost``: requests sent that never completed;
+* ``errors``: calls that failed other than as the faults make them fail;
 * ``duplicated``: results delivered twice (a Future's callback run twice), or
   in a TensorDict other than the one sent;
 * ``wrong``: results that differ from the direct forward at their version, or
@@ -19,7 +20,10 @@ version stamped on it. Counted:
 adds an :class:`~torchrl_batchserve.EvaluationCache` and draws every row
 from one small pool of observations shared by all actors, so rows hit the
 cache and identical rows in flight coalesce, across actors and processes,
-while the versions change under them.
+while the versions change under them. ``--faults`` makes one request in 200
+hold a row that makes its batch raise (``refused``: that batch's requests,
+failed with the policy's error), cancels one call in 7 (``cancelled``) and
+kills one more worker process with ``SIGKILL`` a second into the run.
 
 Resources are read before the server starts, after warm-up and after close:
 RSS, open file descriptors, threads, and entries in ``/dev/shm``.
@@ -167,7 +171,7 @@ class Mix:
     Args:
         rows_of: draw every row from this pool (``--cache``), else random rows.
         faults: poison one request in 200 (its batch raises) and cancel one
-            call in 7 right after it is sent.
+            call in 7 (a Future at once, a task's call after 0.5 ms).
         staged: a version staged by now (the trainer's process only).
     """
 
