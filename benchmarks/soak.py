@@ -195,6 +195,9 @@ class Mix:
         return self.faults and rng.random() < 1 / 7
 
 
+PLAIN = Mix(None, False)  # random rows, no faults
+
+
 def blocking_actor(remote: Any, seed: int, n: int, mix: Mix) -> dict[str, Any]:
     rng, checker = random.Random(seed), Checker()
     for _ in range(n):
@@ -249,7 +252,7 @@ def future_actor(remote: Any, seed: int, n: int, mix: Mix, depth: int = 4) -> di
         settle(entry)
     # A future's callbacks run right after its result is set: by the time
     # every result has been read and a later request served, they have run.
-    remote(Mix(None, False).request(rng))
+    remote(PLAIN.request(rng))
     with lock:
         checker.duplicated += sum(calls[0] != 1 for calls in settled)
     return checker.counts()
@@ -283,14 +286,12 @@ def process_actor(remote: Any, seed: int, n: int, cached: bool, faults: bool, ta
     """A worker process: a blocking caller and ``tasks`` asyncio tasks (another thread) share its one copy."""
     torch.set_num_threads(1)
     mix = Mix(pool() if cached else None, faults)
-    of_tasks: list[dict[str, Any]] = []
+    of_tasks: list[dict[str, Any]] = []  # (no tasks: counts of zero)
     loop = threading.Thread(target=lambda: of_tasks.append(task_actors(remote, seed + 1000, tasks, n, mix)))
-    if tasks:
-        loop.start()
+    loop.start()
     counts = blocking_actor(remote, seed, n, mix)
-    if tasks:
-        loop.join()
-        counts = {k: v + of_tasks[0][k] for k, v in counts.items()}  # (the samples are lists)
+    loop.join()
+    counts = {k: v + of_tasks[0][k] for k, v in counts.items()}  # (the samples are lists)
     if results is not None:
         results.put(counts)
 
@@ -365,7 +366,7 @@ def run(
             return pushes[0]  # staged once update_weights returned: a result submitted now is no older
 
         mix = Mix(pool() if cache else None, faults, staged)
-        blocking_actor(remote, 999, 50, Mix(None, False))  # warm-up: the layout, the first batches
+        blocking_actor(remote, 999, 50, PLAIN)  # warm-up: the layout, the first batches
         warm = resources()
         pusher = threading.Thread(target=push_forever, daemon=True)
         pusher.start()
