@@ -214,3 +214,28 @@ def many_callers(remote: Any, mode: str, callers: int, per_caller: int, results:
 
         asyncio.run(main())
     results.put(out)
+
+
+class PendulumFeatures(nn.Module):
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+        return torch.stack([th.sin(), th.cos(), thdot], -1)
+
+
+def recurrent_policy(hidden: int = 16) -> Any:
+    """A TorchRL LSTM policy for PendulumEnv: features -> LSTMModule -> action (its state in the TensorDict)."""
+    from tensordict.nn import TensorDictSequential
+    from torchrl.modules import LSTMModule
+
+    torch.manual_seed(0)
+    features = TensorDictModule(PendulumFeatures(), in_keys=["th", "thdot"], out_keys=["features"])
+    lstm = LSTMModule(input_size=3, hidden_size=hidden, in_key="features", out_key="embed")
+    head = TensorDictModule(nn.Linear(hidden, 1), in_keys=["embed"], out_keys=["action"])
+    return TensorDictSequential(features, lstm, head)
+
+
+def recurrent_pendulum() -> Any:
+    """PendulumEnv that marks resets (``is_init``) and carries the LSTM state of :func:`recurrent_policy`."""
+    from torchrl.envs import InitTracker, PendulumEnv, TransformedEnv
+
+    lstm = recurrent_policy()[1]
+    return TransformedEnv(PendulumEnv(), InitTracker()).append_transform(lstm.make_tensordict_primer())

@@ -375,6 +375,46 @@ def test_collectors_store_the_policys_actions(kind):
     assert frames >= 32 and stats.requests > 0 and stats.failed_batches == 0
 
 
+@pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector"])
+def test_a_recurrent_policy_carries_each_envs_own_state(kind):
+    # An LSTM policy reads its state from the request and writes the next one
+    # under ("next", ...): every row of a batch must get its own env's state.
+    from process_workers import recurrent_pendulum, recurrent_policy
+    from torchrl.collectors import Collector, MultiSyncCollector
+
+    policy = recurrent_policy()
+    state = ["recurrent_state_h", "recurrent_state_c"]
+    assert set(policy.in_keys) == {"th", "thdot", *state, "is_init"}
+    kw = {"auto_register_policy_transforms": False}
+    with BatchedPolicyServer(policy, max_batch_size=8, timeout=0.005) as server:
+        remote = server.remote_policy()
+        if kind == "Collector":
+            collector = Collector(recurrent_pendulum, remote, frames_per_batch=20, total_frames=40, **kw)
+        else:
+            envs = [recurrent_pendulum] * 3
+            collector = MultiSyncCollector(envs, remote, frames_per_batch=60, total_frames=120, **kw)
+        collector.set_seed(0)  # each env its own seed: rows handed to the wrong env would differ
+        batches = []
+        try:
+            for batch in collector:
+                batches.append(batch)
+        finally:
+            collector.shutdown()
+        stats = server.statistics()
+    data = torch.cat(batches, -1)  # (envs, steps) for MultiSyncCollector, (steps,) for Collector
+    with torch.no_grad():
+        expected = policy(data.select(*policy.in_keys).clone())
+    for key in ["action", *(("next", k) for k in state)]:
+        torch.testing.assert_close(data[key], expected[key])
+    # The state travels: a step reads the state the step before wrote, unless it starts a trajectory.
+    within = ~data["is_init"][..., 1:, 0]
+    for k in state:
+        written = data["next", k][..., :-1, :, :]
+        torch.testing.assert_close(data[k][..., 1:, :, :][within], written[within])
+        assert written.abs().sum() > 0  # computed, not the primer's zeros
+    assert stats.failed_batches == 0 and (kind == "Collector" or stats.mean_batch_size > 1)
+
+
 def free_port() -> int:
     import socket
 
