@@ -239,3 +239,14 @@ def recurrent_pendulum() -> Any:
 
     lstm = recurrent_policy()[1]
     return TransformedEnv(PendulumEnv(), InitTracker()).append_transform(lstm.make_tensordict_primer())
+
+
+def call_until_it_fails(remote: Any, results: Any) -> None:
+    """Calls until a call fails (at most 50); reports how many succeeded and the error."""
+    for done in range(50):
+        try:
+            remote(TensorDict(observation=torch.ones(8)))
+        except BatchServeError as err:
+            results.put((done, type(err).__name__, str(err)))
+            return
+    results.put((50, None, None))

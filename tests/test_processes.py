@@ -23,7 +23,7 @@ from torch import nn
 
 from torchrl_batchserve import BatchedPolicyServer, ServerBrokenError, ServerClosedError
 from torchrl_batchserve.transport.client import ProcessClient
-from torchrl_batchserve.transport.hub import _Client
+from torchrl_batchserve.transport.hub import ProcessHub, _Client
 from torchrl_batchserve.transport.slots import Slot
 
 SPAWN = mp.get_context("spawn")
@@ -301,6 +301,29 @@ def test_workers_waiting_on_a_dead_server_process_get_broken_error():
     host.join(10)
     with pytest.raises(ServerClosedError):
         remote(TensorDict(observation=torch.ones(8)))
+
+
+def test_a_hub_reader_that_dies_fails_every_worker_instead_of_leaving_it_waiting(policy, monkeypatch):
+    def bug(self, client):
+        raise RuntimeError("a bug in the reader")
+
+    monkeypatch.setattr(ProcessHub, "_rung", bug)  # a worker's second call rings its lane: the reader dies
+    with BatchedPolicyServer(policy) as server:
+        results = SPAWN.Queue()
+        workers = [SPAWN.Process(target=pw.call_until_it_fails, args=(server.remote_policy(), results))]
+        workers[0].start()
+        done, kind, message = report(results, workers, timeout=60)
+        assert kind == "ServerBrokenError" and "a bug in the reader" in message
+        assert 0 < done < 50  # served until a call came through a lane (its first, or second, travels pickled)
+        workers.append(SPAWN.Process(target=pw.call_until_it_fails, args=(server.remote_policy(), results)))
+        workers[1].start()  # connects after the reader died: told at once
+        done, kind, message = report(results, workers, timeout=60)
+        assert (done, kind) == (0, "ServerBrokenError") and "hub failed" in message
+        assert server.remote_policy()(TensorDict(observation=torch.ones(8)))["logits"].shape == (
+            3,
+        )  # the serve loop serves on in-process
+    for worker in workers:
+        worker.join(30)
 
 
 def test_workers_carry_their_interaction_type():

@@ -38,7 +38,7 @@ from tensordict.nn.probabilistic import interaction_type
 from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, ServerClosedError
 from torchrl_batchserve.layout import entry
 from torchrl_batchserve.request import write_outputs
-from torchrl_batchserve.transport.hub import HANDSHAKE_TIMEOUT
+from torchrl_batchserve.transport.hub import ADMITTED, HANDSHAKE_TIMEOUT, REFUSED_BROKEN
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Lane, Slot
 from torchrl_batchserve.transport.wire import Wire
 
@@ -114,7 +114,12 @@ class ProcessClient:
                 sock.settimeout(HANDSHAKE_TIMEOUT)
                 sock.connect(self.address)
                 sock.sendall(self.authkey)
-                if sock.recv(1) != b"\x01":
+                answer = sock.recv(1)
+                if answer == REFUSED_BROKEN:
+                    sock.close()
+                    self._closed = True
+                    raise ServerBrokenError(f"the server at {self.address} serves no worker processes: its hub failed")
+                if answer != ADMITTED:
                     raise OSError("the hub refused the connection")
                 conn = Wire(sock)
                 sock.settimeout(HANDSHAKE_TIMEOUT)  # the bells come at once; a hub that hangs is gone
@@ -352,6 +357,9 @@ class ProcessClient:
             return
         if kind == "closed":
             self._fail(ServerClosedError("the server was closed before this request ran"))
+            return
+        if kind == "broken":
+            self._fail(ServerBrokenError(message[1]))
             return
         _, seq, error, values, keys, out = message
         if out is not None:  # the lane's new output slot, its outputs in it

@@ -39,18 +39,21 @@ handshake (bounded by ``HANDSHAKE_TIMEOUT``, so a client that never answers
 blocks no one); one reader thread for every client, which turns each request
 into a :class:`ProcessRequest` through the server's
 :class:`~torchrl_batchserve.intake.Intake`, the same checks as in-process
-callers. A request that fails in any way fails alone. Replies are written by
-the serve loop that completes the request.
+callers. A request that fails in any way fails alone; if the reader itself
+dies (a bug), every worker is told and dropped, since no one would read its
+requests. Replies are written by the serve loop that completes the request.
 
 Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`):
 
-* client -> hub: the 16-byte authkey once, then ``("req", seq, interaction, payload)``
+* client -> hub: the 16-byte authkey once (answered with one byte: admitted, or
+  refused because the reader died), then ``("req", seq, interaction, payload)``
   (``payload``: the pickled inputs).
 * hub -> client: ``("bells",)`` with the headers' memory, the request bell and
   the reply bell; ``("lane", index, fields, capacity, size)`` with its input
   slot; ``("done", seq, error, values, keys, out)``, where ``values`` is
   ``None`` when the outputs are in the lane and ``out`` is ``(fields,
-  capacity, size)`` when a new output slot comes with it; ``("closed",)``.
+  capacity, size)`` when a new output slot comes with it; ``("closed",)``;
+  ``("broken", reason)`` if the reader died (a bug), then end-of-file.
 
 ``seq`` numbers a client's requests: each reply goes to the caller of its
 ``seq``, and one nobody waits for (a call interrupted by a signal) is
@@ -97,6 +100,7 @@ _MODES = {m.value: m for m in InteractionType}
 HANDSHAKE_TIMEOUT = 5.0
 """Seconds a new connection has to send its key; then it is dropped."""
 AUTHKEY_BYTES = 16
+ADMITTED, REFUSED_BROKEN = b"\x01", b"\x02"  # the hub's answer to a client's key
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -245,6 +249,7 @@ class ProcessHub:
         self.arrived = {"lane": 0, "socket": 0}  # requests accepted, by how they came (written by the reader only)
         self._next_id = 0
         self._closed = False
+        self._broken: str | None = None  # why the reader died, if it did
         _HUBS.add(self)
         self._accepter = threading.Thread(target=self._accept_forever, name="batchserve-hub-accept", daemon=True)
         self._reader = threading.Thread(target=self._read_forever, name="batchserve-hub", daemon=True)
@@ -284,7 +289,10 @@ class ProcessHub:
                 key += chunk
             if not hmac.compare_digest(key, self.authkey):
                 raise OSError("wrong authkey")
-            sock.sendall(b"\x01")
+            if self._broken is not None:
+                sock.sendall(REFUSED_BROKEN)  # nobody would read its requests
+                raise OSError("the reader died")
+            sock.sendall(ADMITTED)
             with self._lock:
                 self._next_id += 1
                 client = _Client(sock, self._next_id)
@@ -298,10 +306,13 @@ class ProcessHub:
             if client is not None:
                 os.close(client.headers_fd)  # the mapping keeps the memory
         with self._lock:
-            if not self._closed:
+            if not self._closed and self._broken is None:
                 self._pending.append(client)
                 os.write(self._wake_w, b"x")
                 return
+            broken = self._broken
+        if broken is not None:
+            client.send(("broken", broken))  # it died while this client was being admitted
         client.close()
 
     def _knock(self) -> None:
@@ -338,10 +349,21 @@ class ProcessHub:
                         selector.unregister(client.wire)
                         selector.unregister(client.requests_bell)
                         self._drop(client)
-        except BaseException:
+        except BaseException as err:
             _log.exception("the process hub's reader died")  # only a bug gets here
+            self._break(f"the server's process hub failed: {err!r}")
         finally:
             selector.close()
+
+    def _break(self, reason: str) -> None:
+        """The reader died: nobody would read a worker's requests, so every worker's calls fail now."""
+        with self._lock:
+            self._broken = reason  # a worker that connects later is told at once (``_handshake``)
+            clients = list(self._clients.values()) + self._pending
+            self._pending.clear()
+        for client in clients:
+            client.send(("broken", reason))
+            self._drop(client)
 
     def _rung(self, client: _Client) -> bool:
         """Take in the requests of every lane ``client`` rang since the last time."""
