@@ -245,6 +245,34 @@ def net_at(version: int) -> PendulumPolicy:
     return net
 
 
+def test_an_exploration_modules_annealed_buffer_reaches_the_actors_with_the_next_push():
+    # A DQN recipe anneals EGreedyModule's eps (a buffer) with step(); the served
+    # copy takes it, like the parameters, with the next versioned push.
+    from tensordict.nn import InteractionType, TensorDictSequential, set_interaction_type
+    from torchrl.data import OneHot
+    from torchrl.modules import MLP, EGreedyModule, QValueActor
+
+    torch.manual_seed(0)
+    spec = OneHot(4)
+    actor = QValueActor(MLP(in_features=8, out_features=4, num_cells=[16]), in_keys=["observation"], spec=spec)
+    explore = EGreedyModule(spec, eps_init=1.0, eps_end=0.0, annealing_num_steps=10)
+    with BatchedPolicyServer(TensorDictSequential(actor, explore), max_batch_size=64) as server:
+        remote = server.remote_policy()
+
+        def greedy() -> torch.Tensor:  # whether each of 64 served actions is the greedy one
+            with set_interaction_type(InteractionType.RANDOM), ThreadPoolExecutor(8) as pool:
+                tds = list(pool.map(remote, [obs() for _ in range(64)]))
+            with torch.no_grad():
+                best = [actor(td.select("observation").clone())["action"] for td in tds]
+            return torch.tensor([bool((td["action"] == b).all()) for td, b in zip(tds, best)])
+
+        assert not greedy().all()  # eps = 1: random actions (all 64 greedy by chance: 4**-64)
+        explore.step(10)  # eps -> 0 on the trainer's module
+        assert float(explore.eps) == 0.0 and not greedy().all()  # not served before a push
+        assert server.update_weights() == 1
+        assert greedy().all()
+
+
 def test_two_cpu_replicas_both_serve_exact_results_with_versions_that_never_go_back():
     net = make_mlp()
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
