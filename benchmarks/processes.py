@@ -15,7 +15,8 @@ in one process run, on the same policies and inputs as ``benchmarks/run.py``:
 Both servers: the same ``max_batch_size``, ``timeout`` and ``--device`` (where
 the policy runs; requests and results stay on the CPU), in this process.
 Workers synchronise on a barrier, then time their calls; throughput is all
-calls over the span from the first start to the last end. Five repeats by
+calls over the span from the first start to the last end. The two servers
+take turns, and the one that goes first alternates between repeats. Five repeats by
 default (``--repeats``): at 8 processes on two vCPUs a single repeat of ours
 ranges over ±10% from run to run, and the median of three moved the ratio by
 as much as the gap it was read against.
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # Fewer calls per process in the large fleets: each run stays near the same length.
                 calls = (20 if args.quick else 1500) // (1 if payload == "vector" else 4) * min(8, procs) // procs
                 calls = max(calls, 20 * tasks)  # per process, shared by its tasks
-                for system in systems:
+                for system in systems if repeat % 2 == 0 else systems[::-1]:  # neither always goes first
                     r = measure(system, payload, procs, calls, args, tasks)
                     runs.setdefault((payload, spec, system), []).append(r)
                     print(

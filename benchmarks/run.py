@@ -11,7 +11,8 @@ One process run measures, on the same policies, inputs and machine:
   form (min(actors, max_batch_size)), with no server at all.
 
 Both servers get the same ``max_batch_size`` and ``timeout``. Each scenario is
-repeated; ratios are taken within a repeat and reported as medians.
+repeated, the systems in turn (first to last, then last to first: none always
+runs first); ratios are taken within a repeat and reported as medians.
 
     python benchmarks/run.py            # full run, writes docs/benchmarks.md and a PNG
     python benchmarks/run.py --quick    # seconds; a smoke test
@@ -588,7 +589,8 @@ def main(argv: list[str] | None = None) -> dict:
             for batch in sorted({min(s[2], args.max_batch_size) for s in todo if s[0] == payload} | {1}):
                 results.append(measure_floor(payload, batch, repeat, 256 if args.quick else 2048, args.device))
         for payload, mode, actors, total in todo:
-            for system in ("ours", "torchrl", "naive"):
+            systems = ("ours", "torchrl", "naive")
+            for system in systems if repeat % 2 == 0 else systems[::-1]:  # neither always goes first
                 # the naive baseline is an order of magnitude slower and steady: a quarter of the requests
                 n = total if system != "naive" else max(actors, total // 4)
                 m = measure(system, payload, mode, actors, repeat, n, args)
