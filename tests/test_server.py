@@ -167,6 +167,30 @@ def test_nested_keys_and_version_key_none():
         torch.testing.assert_close(out["agent", "logits"], net(out["agent", "obs"]))
 
 
+def test_multi_agent_requests_keep_their_agents_apart_from_other_rows():
+    # TorchRL's multi-agent layout: ("agents", ...) entries with an agent dim after the batch dims.
+    # A centralised MultiAgentMLP mixes the agents of a row; batching must not mix rows.
+    from torchrl.modules import MultiAgentMLP
+
+    torch.manual_seed(0)
+    net = MultiAgentMLP(n_agent_inputs=4, n_agent_outputs=2, n_agents=3, centralised=True, share_params=False, depth=1)
+    policy = TensorDictModule(net, in_keys=[("agents", "observation")], out_keys=[("agents", "action")])
+
+    def request(i: int) -> TensorDict:
+        shape = [[], [2]][i % 2]  # one env, or two
+        agents = TensorDict(observation=torch.randn(*shape, 3, 4), batch_size=[*shape, 3])
+        return TensorDict(agents=agents, batch_size=shape)
+
+    with BatchedPolicyServer(policy, max_batch_size=16) as server:
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(server.remote_policy(), [request(i) for i in range(64)]))
+        assert server.statistics().mean_batch_size > 1
+    with torch.no_grad():
+        for td in outs:
+            assert td["agents", "action"].shape == (*td.batch_size, 3, 2)
+            torch.testing.assert_close(td["agents", "action"], net(td["agents", "observation"]))
+
+
 def test_remote_policy_is_a_module_without_parameters(policy):
     with BatchedPolicyServer(policy) as server:
         remote = server.remote_policy()
