@@ -25,6 +25,7 @@ from tensordict.nn.probabilistic import interaction_type
 from torchrl_batchserve import (
     BadRequestError,
     BatchedPolicyServer,
+    PolicyError,
     QueueFullError,
     RemotePolicy,
     ServerBrokenError,
@@ -189,6 +190,42 @@ def test_multi_agent_requests_keep_their_agents_apart_from_other_rows():
         for td in outs:
             assert td["agents", "action"].shape == (*td.batch_size, 3, 2)
             torch.testing.assert_close(td["agents", "action"], net(td["agents", "observation"]))
+
+
+class OneShape(TensorDictModuleBase):
+    """Runs batches of exactly ``rows`` rows, as a CUDA graph captured at that size does; records them."""
+
+    def __init__(self, net, rows: int, wrong: bool = False) -> None:
+        super().__init__()
+        self.net, self.rows, self.wrong = net, rows, wrong
+        self.in_keys, self.out_keys = ["observation"], ["logits"]
+        self.seen: list[int] = []
+
+    def forward(self, td):
+        assert td.batch_size == (self.rows,), f"captured at {self.rows} rows, got {td.batch_size}"
+        self.seen.append(td.batch_size[0])
+        if self.wrong:
+            return td[:1].set("logits", self.net(td["observation"][:1]))
+        return td.set("logits", self.net(td["observation"]))
+
+
+def test_a_static_batch_size_pads_every_forward_and_drops_the_padded_rows(net):
+    policy = OneShape(net, rows=8)
+    with BatchedPolicyServer(policy, max_batch_size=8, static_batch_size=8) as server:
+        remote = server.remote_policy()
+        requests = [obs(), obs(3), obs(2, 2), obs(19)] + [obs() for _ in range(40)]  # 19 rows: slices of 8, 8, 3
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(remote, requests))
+        stats = server.statistics()
+        served = server._replicas[0].module  # the server's own copy, which saw every forward
+    assert set(served.seen) == {8} and stats.rows == 1 + 3 + 4 + 19 + 40
+    with torch.no_grad():
+        for td in outs:
+            torch.testing.assert_close(td["logits"], net(td["observation"]))
+            assert td["logits"].shape == (*td.batch_size, 3)
+    with BatchedPolicyServer(OneShape(net, rows=8, wrong=True), max_batch_size=8, static_batch_size=8) as server:
+        with pytest.raises(PolicyError, match=r"static_batch_size=8: the policy must return 8 rows, got \[1\]"):
+            server.remote_policy()(obs())
 
 
 def test_remote_policy_is_a_module_without_parameters(policy):
@@ -489,6 +526,8 @@ def test_queue_full_is_refused_at_once():
             r"the spec has \['obs'\]",
         ),
         ({"input_spec": {"observation": 8}}, "input_spec must be a torchrl.data.Composite or a TensorDict"),
+        ({"static_batch_size": 0}, r"static_batch_size must be an int >= 1 \(got 0\)"),
+        ({"max_batch_size": 8, "static_batch_size": 4}, r"static_batch_size must be >= max_batch_size=8: .* \(got 4\)"),
     ],
 )
 def test_constructor_validates_arguments(policy, kwargs, message):

@@ -107,6 +107,7 @@ class ServerConfig(ConfigBase):
     collate: Any = None
     input_spec: Any = None
     forward_timeout: float | None = None
+    static_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         """Nothing to derive: every field is a keyword of the server."""

@@ -25,6 +25,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, is_non_tensor
 from tensordict.nn import TensorDictModuleBase, set_interaction_type
 
+from torchrl_batchserve.errors import PolicyError
 from torchrl_batchserve.weights import ShadowWeights
 
 __all__ = ["Replica", "served_copy"]
@@ -107,20 +108,39 @@ class Replica:
             self._params.update_(snapshot.tensors, non_blocking=self._stream is not None)
         self.version = snapshot.version
 
-    def forward(self, batch: TensorDictBase, rows: int, interaction: Any, max_rows: int) -> TensorDictBase:
-        """Run the policy on ``batch`` (on this replica's device and stream); its output TensorDict."""
+    def forward(
+        self, batch: TensorDictBase, rows: int, interaction: Any, max_rows: int, static_rows: int | None = None
+    ) -> TensorDictBase:
+        """Run the policy on ``batch`` (on this replica's device and stream); its output TensorDict.
+
+        ``static_rows``: each forward is padded to that many rows, and its
+        output cut back to the batch's.
+        """
         with self.on_stream():
             if self._stream is not None:
                 self._stream.wait_stream(torch.cuda.default_stream(self._stream.device))
             batch = _on(batch, self.device)
             with set_interaction_type(interaction):
-                if rows <= max_rows or not batch.batch_dims:
+                if not batch.batch_dims:  # packed: no rows to slice or pad
                     output = self.module(batch)
-                else:  # one request larger than a batch: run it in slices
-                    output = torch.cat(
-                        [self.module(batch[i : i + max_rows]) for i in range(0, rows, max_rows)]  # type: ignore[misc]
-                    )
-        return batch if output is None else output
+                    return batch if output is None else output
+                if rows <= max_rows:
+                    return self._call(batch, static_rows)
+                # one request larger than a batch: run it in slices
+                return torch.cat([self._call(batch[i : i + max_rows], static_rows) for i in range(0, rows, max_rows)])
+
+    def _call(self, batch: TensorDictBase, static_rows: int | None) -> TensorDictBase:
+        rows = batch.batch_size[0]
+        if static_rows is None or rows == static_rows:
+            output = self.module(batch)
+            return batch if output is None else output
+        padded = torch.cat([batch, batch[-1:].expand(static_rows - rows)])  # the last row again
+        output = self.module(padded)
+        output = padded if output is None else output
+        if not isinstance(output, TensorDictBase) or output.batch_size[:1] != (static_rows,):
+            got = list(output.batch_size) if isinstance(output, TensorDictBase) else type(output).__name__
+            raise PolicyError(f"static_batch_size={static_rows}: the policy must return {static_rows} rows, got {got}")
+        return output[:rows]
 
     def fetch(self, output: TensorDictBase, keys: Sequence[Any], device: torch.device | None) -> TensorDictBase:
         """``output``'s ``keys`` on ``device`` (``None``: where they are), complete and safe to read on return.

@@ -149,6 +149,7 @@ class Serving:
         output_device: where results go (``None``: each request's own device).
         max_batch_size: a request larger than this runs in slices of it.
         forward_timeout: seconds after which a forward breaks the server (``None``: never).
+        static_batch_size: the rows every forward is padded to (``None``: its own).
     """
 
     def __init__(
@@ -164,6 +165,7 @@ class Serving:
         output_device: torch.device | None,
         max_batch_size: int,
         forward_timeout: float | None = None,
+        static_batch_size: int | None = None,
     ) -> None:
         self.queue = queue
         self.layout = layout
@@ -175,6 +177,7 @@ class Serving:
         self.delivered = self.out_keys + ([version_key] if version_key is not None else [])
         self.output_device = output_device
         self.max_batch_size = max_batch_size
+        self.static_batch_size = static_batch_size
         self.relay = Relay()  # one wake-up chain for all blocking callers of this server
         self.replicas: list[Replica] = []  # set by the server
         self._watchdog = _Watchdog(forward_timeout, self._timed_out) if forward_timeout is not None else None
@@ -301,7 +304,7 @@ class Serving:
         batch = self.collate.collate(group, self.layout.keys)
         foreign = replica.foreign | {t.untyped_storage().data_ptr() for t in batch.values(True, True)}
         packed = not batch.batch_dims  # a packed batch has no rows: its collate checks its outputs
-        output = replica.forward(batch, rows, group[0].interaction, self.max_batch_size)
+        output = replica.forward(batch, rows, group[0].interaction, self.max_batch_size, self.static_batch_size)
         self._check(output, None if packed else rows)
         device = self.output_device or group[0].device
         output = replica.fetch(output, self.out_keys, device)

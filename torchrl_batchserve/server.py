@@ -171,6 +171,12 @@ class BatchedPolicyServer(TensorDictModule):
             callers get :class:`~torchrl_batchserve.errors.ForwardTimeoutError`
             and the server is broken (a stuck thread cannot be stopped).
             Default: no limit.
+        static_batch_size: every forward gets exactly this many rows (at
+            least ``max_batch_size``), for a policy that runs one shape only:
+            a CUDA graph captured at that size, a module compiled without
+            dynamic shapes. A smaller batch is padded by repeating its last
+            row, and the padded rows' outputs are dropped. Default: batches
+            run at their own size.
         in_keys: the input keys of a plain ``nn.Module`` policy.
         out_keys: the output keys of a plain ``nn.Module`` policy.
 
@@ -208,6 +214,7 @@ class BatchedPolicyServer(TensorDictModule):
         policy_version_key: NestedKey | None = "policy_version",
         input_spec: Any = None,
         forward_timeout: float | None = None,
+        static_batch_size: int | None = None,
         in_keys: Sequence[NestedKey] | None = None,
         out_keys: Sequence[NestedKey] | None = None,
     ) -> None:
@@ -218,6 +225,11 @@ class BatchedPolicyServer(TensorDictModule):
             forward_timeout = _check_seconds("forward_timeout", forward_timeout, positive=True)
         if max_queue_size is not None:
             _check_int("max_queue_size", max_queue_size, 1)
+        if static_batch_size is not None and _check_int("static_batch_size", static_batch_size, 1) < max_batch_size:
+            raise ValueError(
+                f"static_batch_size must be >= max_batch_size={max_batch_size}: every forward holds that many rows "
+                f"(got {static_batch_size})"
+            )
         if (cost_fn is None) != (max_batch_cost is None):
             raise ValueError(
                 f"cost_fn and max_batch_cost go together (got cost_fn={cost_fn!r}, max_batch_cost={max_batch_cost!r})"
@@ -269,6 +281,7 @@ class BatchedPolicyServer(TensorDictModule):
             output_device=output_device,
             max_batch_size=max_batch_size,
             forward_timeout=forward_timeout,
+            static_batch_size=static_batch_size,
         )
         self._intake = Intake(layout, self._queue, self._stats, self._weights, cache, self._serving.delivered)
         self._serving.replicas = self._replicas
