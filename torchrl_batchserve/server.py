@@ -227,8 +227,8 @@ class BatchedPolicyServer(TensorDictModule):
             _check_int("max_queue_size", max_queue_size, 1)
         if static_batch_size is not None and _check_int("static_batch_size", static_batch_size, 1) < max_batch_size:
             raise ValueError(
-                f"static_batch_size must be >= max_batch_size={max_batch_size}: every forward holds that many rows "
-                f"(got {static_batch_size})"
+                f"static_batch_size must be >= max_batch_size={max_batch_size}: a full batch is padded to it, "
+                f"never cut (got {static_batch_size})"
             )
         if (cost_fn is None) != (max_batch_cost is None):
             raise ValueError(
