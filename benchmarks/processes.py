@@ -42,6 +42,7 @@ from run import (
     _pct,
     common_parser,
     device_note,
+    in_turn,
     make_payload,
     parse_common,
     provenance,
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # Fewer calls per process in the large fleets: each run stays near the same length.
                 calls = (20 if args.quick else 1500) // (1 if payload == "vector" else 4) * min(8, procs) // procs
                 calls = max(calls, 20 * tasks)  # per process, shared by its tasks
-                for system in systems if repeat % 2 == 0 else systems[::-1]:  # neither always goes first
+                for system in in_turn(systems, repeat):
                     r = measure(system, payload, procs, calls, args, tasks)
                     runs.setdefault((payload, spec, system), []).append(r)
                     print(

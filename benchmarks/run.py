@@ -31,7 +31,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -532,6 +532,11 @@ def restart_with(wanted: dict[str, str]) -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
 
 
+def in_turn(systems: Sequence[str], repeat: int) -> Sequence[str]:
+    """``systems`` in the order of this repeat: first to last, then last to first, so none always runs first."""
+    return systems if repeat % 2 == 0 else systems[::-1]
+
+
 def common_parser(doc: str | None, repeats: int = 3) -> argparse.ArgumentParser:
     """The options every benchmark script shares; ``repeats``: how many by default (1 with ``--quick``)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -589,8 +594,7 @@ def main(argv: list[str] | None = None) -> dict:
             for batch in sorted({min(s[2], args.max_batch_size) for s in todo if s[0] == payload} | {1}):
                 results.append(measure_floor(payload, batch, repeat, 256 if args.quick else 2048, args.device))
         for payload, mode, actors, total in todo:
-            systems = ("ours", "torchrl", "naive")
-            for system in systems if repeat % 2 == 0 else systems[::-1]:  # neither always goes first
+            for system in in_turn(("ours", "torchrl", "naive"), repeat):
                 # the naive baseline is an order of magnitude slower and steady: a quarter of the requests
                 n = total if system != "naive" else max(actors, total // 4)
                 m = measure(system, payload, mode, actors, repeat, n, args)
