@@ -155,7 +155,7 @@ def test_a_client_stalled_in_the_handshake_blocks_no_one():
     server = BatchedPolicyServer(policy)
     client = client_of(server)
     stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stalled.connect(server._hub.address)  # and never sends its key
+    stalled.connect(server._endpoint.hub.address)  # and never sends its key
     try:
         assert client(obs())["logits"].shape == (3,)
         start = time.monotonic()
@@ -240,7 +240,7 @@ def test_zero_rows_are_refused_the_same_way_in_process_and_from_a_worker():
         with pytest.raises(BadRequestError, match="at least one row"):
             worker(obs(0))
         assert worker(obs())["logits"].shape == (3,)
-        assert server._hub.arrived == {"lane": 1, "socket": 1}  # (refused requests are not counted)
+        assert server._endpoint.hub.arrived == {"lane": 1, "socket": 1}  # (refused requests are not counted)
 
 
 def test_meta_weights_are_refused_with_a_weight_sync_error():
@@ -255,7 +255,7 @@ def test_a_server_dropped_without_close_ends_its_threads_and_removes_its_socket(
     policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
     server = BatchedPolicyServer(policy)
     client_of(server)(obs())
-    threads, folder = list(server._threads), os.path.dirname(server._hub.address)
+    threads, folder = list(server._serving.threads), os.path.dirname(server._endpoint.hub.address)
     ref = weakref.ref(server)
     del server
     gc.collect()
@@ -477,7 +477,7 @@ def test_a_worker_request_refused_by_a_full_queue_gets_queue_full_error_and_coun
         queued.join(20)
         assert not queued.is_alive()
         after = client(obs())  # the worker is served on
-        [worker] = server._hub._clients.values()
+        [worker] = server._endpoint.hub._clients.values()
         assert worker.in_flight == 0  # the refused request was taken off the count it was put on
     with torch.no_grad():
         torch.testing.assert_close(queued_td["logits"], gated.net(queued_td["observation"]))
@@ -488,7 +488,7 @@ def connect_raw(server):
     """A worker that speaks the hub's protocol by hand: a client's connection and request bell, no reader."""
     from torchrl_batchserve.transport.client import ProcessClient
 
-    client = ProcessClient(*server._start_hub())
+    client = ProcessClient(*server._endpoint.process_address())
     wire = client._connection()  # the handshake: key, then the bells and headers
     return client, wire, client._bells[0]
 

@@ -7,10 +7,10 @@
 
 Every request, from any transport, goes this way. :class:`Serving` holds
 what all replicas share (the queue, the layout, the collate, the cache,
-the statistics) and runs :meth:`Serving.loop` once per replica, in that
-replica's thread. It holds no reference to the server, so a server that is
-dropped without ``close()`` can be collected (its finalizer closes the queue
-and the loops end).
+the statistics) and runs :meth:`Serving.loop` once per replica, in a serve
+thread of that replica's own. It holds no reference to the server, so a
+server that is dropped without ``close()`` can be collected (its finalizer
+closes the queue and the loops end).
 
 Results are owned by their callers: a value handed out never shares memory
 with the served parameters, the batch's inputs or a buffer the policy keeps
@@ -179,10 +179,34 @@ class Serving:
         self.max_batch_size = max_batch_size
         self.static_batch_size = static_batch_size
         self.relay = Relay()  # one wake-up chain for all blocking callers of this server
-        self.replicas: list[Replica] = []  # set by the server
+        self.replicas: list[Replica] = []
+        self.threads: list[threading.Thread] = []
         self._watchdog = _Watchdog(forward_timeout, self._timed_out) if forward_timeout is not None else None
 
-    # -- the loop ----------------------------------------------------------------------
+    # -- the serve threads ---------------------------------------------------------------
+
+    def start(self, replicas: list[Replica]) -> None:
+        """Serve on ``replicas``, one serve thread each."""
+        self.replicas = replicas
+        self.threads = [
+            threading.Thread(target=self.loop, args=(r,), name=f"batchserve-replica-{r.index}", daemon=True)
+            for r in replicas
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def alive(self) -> bool:
+        """Whether a serve loop runs (and can still answer a queued request)."""
+        return any(t.is_alive() for t in self.threads)
+
+    def join(self, timeout: float | None) -> bool:
+        """Wait at most ``timeout`` seconds in all for the serve loops to end; whether they did."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = threading.current_thread()  # close() from a done-callback runs in a serve thread
+        for thread in self.threads:
+            if thread is not me:
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not self.alive()
 
     def loop(self, replica: Replica) -> None:
         """Serve batches on ``replica`` until the queue is closed and empty, or the server breaks."""

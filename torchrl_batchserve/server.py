@@ -8,7 +8,7 @@ The parts, each in the module named for it::
                  -> Serving.loop, one per Replica   the one serve loop
                  -> Request.finish / fail           how the result leaves
 
-This file builds them, starts one serve thread per replica and stops them.
+This file checks the arguments, builds the parts and closes them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.replica import Replica, served_copy
 from torchrl_batchserve.serve import Serving
 from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder
-from torchrl_batchserve.transport.hub import ProcessHub
 from torchrl_batchserve.transport.local import LocalEndpoint
 from torchrl_batchserve.weights import ShadowWeights
 
@@ -284,19 +283,12 @@ class BatchedPolicyServer(TensorDictModule):
             static_batch_size=static_batch_size,
         )
         self._intake = Intake(layout, self._queue, self._stats, self._weights, cache, self._serving.delivered)
-        self._serving.replicas = self._replicas
-        self._endpoint = LocalEndpoint(self._intake, self._alive, self._start_hub, self._serving.serve_inline)
+        self._endpoint = LocalEndpoint(self._intake, self._serving)
         self._lifecycle = threading.Lock()
-        self._hubs: list[ProcessHub | None] = [None]  # one entry, shared with the finalizer
         self._receivers: list[WeightReceiver] = []
-        self._threads = [
-            threading.Thread(target=self._serving.loop, args=(r,), name=f"batchserve-replica-{r.index}", daemon=True)
-            for r in self._replicas
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._serving.start(self._replicas)
         # Dropped without close(): the loops end, queued requests fail, the hub goes (they never hold the server).
-        self._finalizer = weakref.finalize(self, _abandon, self._queue, self._serving, self._hubs)
+        self._finalizer = weakref.finalize(self, _abandon, self._queue, self._serving, self._endpoint)
         _SERVERS.add(self)
 
     # -- the module face -------------------------------------------------------
@@ -353,20 +345,14 @@ class BatchedPolicyServer(TensorDictModule):
 
         with self._lifecycle:
             pending = self._queue.close(cancel_pending)
-            hub, self._hubs[0] = self._hubs[0], None
             receivers, self._receivers = self._receivers, []
         self._serving.fail_closed(pending)
         for receiver in receivers:
             receiver.close((2.0 if deadline is None else left() or 0.0) if wait else 0.0)
-        me = threading.current_thread()
-        for thread in self._threads:
-            if wait and thread is not me:
-                thread.join(left())
-        stopped = not any(t.is_alive() for t in self._threads)
+        stopped = self._serving.join(left()) if wait else not self._serving.alive()
         if wait and not stopped:
             self._serving.fail_closed(self._queue.close(cancel_pending=True))  # gave up waiting: nothing stays queued
-        if hub is not None:
-            hub.close(left() if wait else 0.0)
+        self._endpoint.close(left() if wait else 0.0)
         self._serving.close()
         return stopped
 
@@ -379,23 +365,6 @@ class BatchedPolicyServer(TensorDictModule):
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
-
-    def _alive(self) -> bool:
-        return any(t.is_alive() for t in self._threads)
-
-    @property
-    def _hub(self) -> ProcessHub | None:
-        return self._hubs[0]
-
-    def _start_hub(self) -> tuple[str, bytes, list]:
-        """Serve worker processes from now on; ``(address, authkey, keys)`` for their clients."""
-        with self._lifecycle:
-            if self._queue.closed:
-                raise ServerClosedError("a closed server cannot serve other processes")
-            hub = self._hubs[0]
-            if hub is None:
-                hub = self._hubs[0] = ProcessHub(self._intake.layout.keys, self._intake)
-            return hub.address, hub.authkey, list(self._intake.layout.keys)
 
     # -- actors --------------------------------------------------------------------
 
@@ -476,12 +445,11 @@ class BatchedPolicyServer(TensorDictModule):
         return self._stats.snapshot(self._weights.latest_version, self.cache, replicas, since)
 
 
-def _abandon(queue: RequestQueue, serving: Serving, hubs: list[ProcessHub | None]) -> None:
+def _abandon(queue: RequestQueue, serving: Serving, endpoint: LocalEndpoint) -> None:
     """A server collected without ``close()``: fail what is queued, end its loops and its hub."""
     serving.fail_closed(queue.close(cancel_pending=True))
     serving.close()
-    if hubs[0] is not None:
-        hubs[0].close(0.0)
+    endpoint.close(0.0)
 
 
 # A RemotePolicy inherited by fork (not pickled) must find its server's hub in
