@@ -496,6 +496,7 @@ def write_report(result: dict[str, Any], args: Any) -> Path:
         f"RSS growth after warm-up: {a['rss_mb'] - w['rss_mb']:+.0f} MB.",
         "",
     ]
+    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "reliability.md"
     sections = path.read_text().split("\n## ")[1:] if path.exists() else []
     kept = ["## " + text.rstrip("\n") + "\n" for text in sections if not text.startswith(f"{setting}\n")]
@@ -511,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--replicas", type=int, default=1, help="CPU replicas serving the one queue")
     parser.add_argument("--cache", action="store_true", help="an evaluation cache, rows from one shared pool")
     parser.add_argument("--faults", action="store_true", help="poisoned rows, cancelled calls, a killed worker")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs", help="the folder reliability.md goes in")
     args = parser.parse_args(argv)
     result = run(args.requests, replicas=args.replicas, cache=args.cache, faults=args.faults)
     print({k: v for k, v in result.items() if k not in ("before", "warm", "after")})

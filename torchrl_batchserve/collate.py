@@ -26,7 +26,7 @@ from torchrl_batchserve.errors import PolicyError
 from torchrl_batchserve.layout import shaped_rows
 from torchrl_batchserve.request import Request
 
-__all__ = ["Collate", "FunctionCollate", "StackCollate", "as_collate", "split_rows", "split_values"]
+__all__ = ["Collate", "FunctionCollate", "StackCollate", "all_single", "as_collate", "split_rows", "split_values"]
 
 
 @runtime_checkable
@@ -40,7 +40,8 @@ class Collate(Protocol):
     ) -> Sequence[Sequence[Any]]: ...
 
 
-def _all_single(requests: Sequence[Request]) -> bool:
+def all_single(requests: Sequence[Request]) -> bool:
+    """Whether every request is a single row (batch size ``[]``)."""
     for request in requests:
         if request.batch_shape:
             return False
@@ -66,7 +67,7 @@ def split_values(values: Sequence[Any], requests: Sequence[Request], keys: Seque
     total = 0
     for request in requests:
         total += request.rows
-    single = _all_single(requests)
+    single = all_single(requests)
     columns: list[Sequence[Any]] = []
     for key, value in zip(keys, values):
         if not isinstance(value, torch.Tensor) and (is_non_tensor(value) or not isinstance(value, TensorDictBase)):
@@ -146,7 +147,7 @@ class StackCollate:
 
     def stack(self, requests: Sequence[Request], total: int) -> list[Any]:
         """The batched value of each key, in the order of the requests' inputs."""
-        single = _all_single(requests)
+        single = all_single(requests)
         pin = self.pin_memory
         return [
             stack_column([r.inputs[j] for r in requests], requests, total, single, pin)
@@ -166,7 +167,7 @@ def stack_column(
     non-tensor data becomes a ``NonTensorStack`` of one item per row.
     """
     if single is None:
-        single = _all_single(requests)
+        single = all_single(requests)
     first = items[0]
     if not isinstance(first, torch.Tensor):
         if is_non_tensor(first) or not isinstance(first, TensorDictBase):

@@ -16,10 +16,13 @@ say what they handle::
 A policy that raises during a batch is not wrapped: every caller of that batch
 gets the policy's own exception, as from ``policy(batch)``. Every path
 (thread, asyncio task, worker process) raises the same class for the same
-failure.
+failure: an error crosses to a worker process as it is, or, if it does not
+pickle, as a ``RuntimeError`` naming it (:func:`portable`).
 """
 
 from __future__ import annotations
+
+import pickle
 
 __all__ = [
     "BadRequestError",
@@ -31,6 +34,7 @@ __all__ = [
     "ServerBrokenError",
     "ServerClosedError",
     "WeightSyncError",
+    "portable",
 ]
 
 
@@ -68,3 +72,12 @@ class WeightSyncError(BatchServeError):
 
 class SearchError(BatchServeError):
     """A tree search stopped because a leaf evaluation failed; the failure is chained as ``__cause__``."""
+
+
+def portable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling (to another process), else a RuntimeError that says what it was."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")

@@ -61,11 +61,10 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase, set_interaction_type
 from tensordict.nn.probabilistic import InteractionType, interaction_type
 
-from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError
+from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError, portable
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics
-from torchrl_batchserve.transport.hub import _portable
 from torchrl_batchserve.weights import ShadowWeights, as_weights
 
 __all__ = ["RayServer", "push_weights", "serve_on_ray"]
@@ -406,9 +405,9 @@ class _ServerActor:
             outputs = None if error is not None else future.result().select(*self._returned)
             with send, contextlib.suppress(OSError):
                 try:
-                    _send(conn, (seq, None if error is None else _portable(error), outputs))
+                    _send(conn, (seq, None if error is None else portable(error), outputs))
                 except Exception as err:  # outputs that do not pickle: this batch fails, not the link
-                    _send(conn, (seq, _portable(err), None))
+                    _send(conn, (seq, portable(err), None))
 
         while True:
             try:
@@ -425,7 +424,7 @@ class _ServerActor:
                     future = self._server.submit(batch, caller=caller)
             except Exception as err:  # refused at once (closed, bad rows): this batch only
                 with send, contextlib.suppress(OSError):
-                    _send(conn, (seq, _portable(err), None))
+                    _send(conn, (seq, portable(err), None))
                 continue
             future.add_done_callback(functools.partial(reply, seq))
 

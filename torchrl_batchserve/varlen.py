@@ -25,7 +25,7 @@ from tensordict.utils import NestedKey, unravel_key
 from torch.nn import functional
 from torch.nn.utils.rnn import pad_sequence
 
-from torchrl_batchserve.collate import _all_single, split_rows, stack_column
+from torchrl_batchserve.collate import all_single, split_rows, stack_column
 from torchrl_batchserve.errors import BadRequestError, PolicyError
 from torchrl_batchserve.request import Request
 
@@ -84,7 +84,7 @@ def _lengths(requests: Sequence[Request], column: int, dim: int) -> list[int]:
 
 def _row_lengths(requests: Sequence[Request], lengths: list[int], device: torch.device) -> torch.Tensor:
     per_request = torch.tensor(lengths, dtype=torch.long, device=device)
-    if _all_single(requests):
+    if all_single(requests):
         return per_request
     return per_request.repeat_interleave(torch.tensor([r.rows for r in requests], device=device))
 
@@ -180,7 +180,7 @@ class PadCollate:
         lengths = _lengths(requests, columns[0], self.dim)
         length = self.padded_length(max(lengths))
         total = sum(r.rows for r in requests)
-        single = _all_single(requests)
+        single = all_single(requests)
         batch = TensorDict(batch_size=[total])
         for j, key in enumerate(keys):
             items = [r.inputs[j] for r in requests]
@@ -303,7 +303,7 @@ class PackCollate:
         columns = [j for j, key in enumerate(keys) if key in self.keys]
         lengths = _lengths(requests, columns[0], 0)
         total = sum(r.rows for r in requests)
-        single = _all_single(requests)
+        single = all_single(requests)
         batch = TensorDict()
         for j, key in enumerate(keys):
             items = [r.inputs[j] for r in requests]

@@ -87,7 +87,7 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import InteractionType
 
-from torchrl_batchserve.errors import BadRequestError
+from torchrl_batchserve.errors import BadRequestError, portable
 from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.request import Request
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot
@@ -101,15 +101,6 @@ HANDSHAKE_TIMEOUT = 5.0
 """Seconds a new connection has to send its key; then it is dropped."""
 AUTHKEY_BYTES = 16
 ADMITTED, REFUSED_BROKEN = b"\x01", b"\x02"  # the hub's answer to a client's key
-
-
-def _portable(error: BaseException) -> BaseException:
-    """``error`` if it survives pickling, else a RuntimeError that says what it was."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 class _Client:
@@ -150,14 +141,14 @@ class _Client:
             lane, seq = request.lane, request.seq
             self.in_flight -= 1
             if request.error is not None:
-                self._send(("done", seq, _portable(request.error), None, None, None))
+                self._send(("done", seq, portable(request.error), None, None, None))
             elif lane is None:
                 self._send(("done", seq, None, list(request.values), list(request.keys), None))  # pickled
             else:
                 try:
                     self._reply(request, lane)
                 except Exception as err:  # e.g. no memory for a slot: this request fails, not the batch
-                    self._send(("done", seq, _portable(err), None, None, None))
+                    self._send(("done", seq, portable(err), None, None, None))
 
     def _reply(self, request: ProcessRequest, lane: Lane) -> None:
         values, keys, rows, shape = list(request.values), list(request.keys), request.rows, request.batch_shape
@@ -400,7 +391,7 @@ class ProcessHub:
             self.arrived["lane"] += 1
         except BaseException as err:  # whatever the lane held, it fails this request only
             if seq:
-                client.send(("done", seq, _portable(err), None, None, None))
+                client.send(("done", seq, portable(err), None, None, None))
             else:
                 _log.error("worker client %d rang lane %d with no request in it: %r", client.ident, index, err)
 
@@ -431,7 +422,7 @@ class ProcessHub:
             self.arrived["socket"] += 1
             self._offer_lane(client, request)
         except BaseException as err:  # whatever the message did, it fails this request only
-            client.send(("done", seq, _portable(err), None, None, None))
+            client.send(("done", seq, portable(err), None, None, None))
 
     def _queue(self, client: _Client, request: ProcessRequest) -> None:
         """Count ``request`` in flight until its reply, and put it."""
