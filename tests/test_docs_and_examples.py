@@ -186,6 +186,11 @@ def test_weights_benchmark_quick_smoke(tmp_path):
     assert (tmp_path / "benchmarks_weights_quick.md").exists()
 
 
+def test_worker_cost_benchmark_smoke():
+    rows = load_script("benchmarks", "worker_cost").main(["--procs", "2", "--calls", "50"])
+    assert len(rows) == 2 and all(make > 0 and call > 0 and hot > 0 for make, call, hot in rows)
+
+
 def test_tuning_benchmark_quick_smoke(tmp_path):
     rows = load_script("benchmarks", "tuning").main(["--quick", "--out", str(tmp_path)])
     assert {(r["mode"], r["max_batch_size"], r["timeout"]) for r in rows} == {
