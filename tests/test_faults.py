@@ -265,6 +265,25 @@ def test_a_server_dropped_without_close_ends_its_threads_and_removes_its_socket(
     assert not any(t.is_alive() for t in threads) and not os.path.exists(folder)
 
 
+def test_a_remote_policy_keeps_its_server_serving_after_the_last_other_reference_is_gone():
+    # Collector(env, BatchedPolicyServer(policy).remote_policy()) must keep serving.
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    server = BatchedPolicyServer(policy)
+    remote, ref, threads = server.remote_policy(), weakref.ref(server), list(server._serving.threads)
+    del server
+    gc.collect()
+    x = obs()
+    with torch.no_grad():
+        expected = policy(x.clone())["logits"]
+    torch.testing.assert_close(remote(x)["logits"], expected)
+    del remote
+    gc.collect()
+    assert ref() is None  # the last RemotePolicy gone: the server is collected, its finalizer ends its loops
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+
+
 class DropsAKey(TensorDictModuleBase):
     def __init__(self):
         super().__init__()

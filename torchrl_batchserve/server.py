@@ -40,7 +40,7 @@ from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.replica import Replica, served_copy
 from torchrl_batchserve.serve import Serving
 from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder
-from torchrl_batchserve.transport.local import LocalEndpoint
+from torchrl_batchserve.transport.local import LazyHub, LocalEndpoint
 from torchrl_batchserve.weights import ShadowWeights
 
 __all__ = ["BatchedPolicyServer"]
@@ -283,12 +283,13 @@ class BatchedPolicyServer(TensorDictModule):
             static_batch_size=static_batch_size,
         )
         self._intake = Intake(layout, self._queue, self._stats, self._weights, cache, self._serving.delivered)
-        self._endpoint = LocalEndpoint(self._intake, self._serving)
+        self._endpoint = LocalEndpoint(self._intake, self._serving, self)
         self._lifecycle = threading.Lock()
         self._receivers: list[WeightReceiver] = []
         self._serving.start(self._replicas)
-        # Dropped without close(): the loops end, queued requests fail, the hub goes (they never hold the server).
-        self._finalizer = weakref.finalize(self, _abandon, self._queue, self._serving, self._endpoint)
+        # Dropped without close() (and no RemotePolicy left in this process): the loops end, queued requests
+        # fail, the hub goes (they never hold the server).
+        self._finalizer = weakref.finalize(self, _abandon, self._queue, self._serving, self._endpoint.lazy_hub)
         _SERVERS.add(self)
 
     # -- the module face -------------------------------------------------------
@@ -352,7 +353,7 @@ class BatchedPolicyServer(TensorDictModule):
         stopped = self._serving.join(left()) if wait else not self._serving.alive()
         if wait and not stopped:
             self._serving.fail_closed(self._queue.close(cancel_pending=True))  # gave up waiting: nothing stays queued
-        self._endpoint.close(left() if wait else 0.0)
+        self._endpoint.lazy_hub.close(left() if wait else 0.0)
         self._serving.close()
         return stopped
 
@@ -445,11 +446,11 @@ class BatchedPolicyServer(TensorDictModule):
         return self._stats.snapshot(self._weights.latest_version, self.cache, replicas, since)
 
 
-def _abandon(queue: RequestQueue, serving: Serving, endpoint: LocalEndpoint) -> None:
+def _abandon(queue: RequestQueue, serving: Serving, hub: LazyHub) -> None:
     """A server collected without ``close()``: fail what is queued, end its loops and its hub."""
     serving.fail_closed(queue.close(cancel_pending=True))
     serving.close()
-    endpoint.close(0.0)
+    hub.close(0.0)
 
 
 # A RemotePolicy inherited by fork (not pickled) must find its server's hub in

@@ -16,7 +16,41 @@ from torchrl_batchserve.request import AsyncRequest, BlockingRequest, FutureRequ
 from torchrl_batchserve.serve import Serving, in_serve_loop
 from torchrl_batchserve.transport.hub import ProcessHub
 
-__all__ = ["LocalEndpoint"]
+__all__ = ["LazyHub", "LocalEndpoint"]
+
+
+class LazyHub:
+    """The server's :class:`~torchrl_batchserve.transport.hub.ProcessHub`, started on first demand, closed once.
+
+    An object of its own, apart from the endpoint (which keeps the server
+    alive), so that the server's finalizer can close the hub without
+    holding the server.
+    """
+
+    def __init__(self, intake: Intake) -> None:
+        self._intake = intake
+        self._lock = threading.Lock()
+        self.hub: ProcessHub | None = None
+        self.address: tuple[str, bytes, list] | None = None
+
+    def open(self) -> tuple[str, bytes, list]:
+        """Where clients in other processes connect: ``(address, authkey, keys)``; starts the hub once."""
+        if self.address is None:  # once set, read without the lock (a forked child may inherit it held)
+            with self._lock:
+                if self.address is None:
+                    if self._intake.queue.closed:
+                        raise ServerClosedError("a closed server cannot serve other processes")
+                    keys = list(self._intake.layout.keys)
+                    self.hub = ProcessHub(keys, self._intake)
+                    self.address = self.hub.address, self.hub.authkey, keys
+        return self.address
+
+    def close(self, timeout: float | None) -> None:
+        """Close the hub, if one was started (once the queue is closed, none starts again)."""
+        with self._lock:
+            hub, self.hub = self.hub, None
+        if hub is not None:
+            hub.close(timeout)
 
 
 class LocalEndpoint:
@@ -26,46 +60,32 @@ class LocalEndpoint:
         intake: validation, admission and queueing.
         serving: the serve loops (whether one still runs; the batch a lone
             blocking caller runs itself).
+        owner: the server, kept alive by the endpoint: a ``RemotePolicy``
+            keeps its server serving after the last other reference to it
+            is gone (``Collector(env, BatchedPolicyServer(p).remote_policy())``).
 
-    Other processes reach the server through its
-    :class:`~torchrl_batchserve.transport.hub.ProcessHub`, started here on
-    first demand (a ``RemotePolicy`` pickled, or a fork) and closed with the
-    server. In a process forked from the server's, the endpoint becomes a
-    client of that hub instead.
+    Other processes reach the server through its hub (:class:`LazyHub`),
+    started on first demand: a ``RemotePolicy`` pickled, or a fork. In a
+    process forked from the server's, the endpoint becomes a client of that
+    hub instead.
     """
 
-    def __init__(self, intake: Intake, serving: Serving) -> None:
+    def __init__(self, intake: Intake, serving: Serving, owner: Any) -> None:
         self._intake = intake
         self._serving = serving
-        self._lock = threading.Lock()
-        self._hub: ProcessHub | None = None
-        self._address: tuple[str, bytes, list] | None = None
+        self._owner = owner
+        self.lazy_hub = LazyHub(intake)
         self._pid = os.getpid()
         self._forked: Any = None
 
     @property
     def hub(self) -> ProcessHub | None:
         """The hub, once other processes were offered the server."""
-        return self._hub
+        return self.lazy_hub.hub
 
     def process_address(self) -> tuple[str, bytes, list]:
         """Where clients in other processes connect: ``(address, authkey, keys)``; starts the hub once."""
-        if self._address is None:  # once set, read without the lock (a forked child may inherit it held)
-            with self._lock:
-                if self._address is None:
-                    if self._intake.queue.closed:
-                        raise ServerClosedError("a closed server cannot serve other processes")
-                    keys = list(self._intake.layout.keys)
-                    self._hub = ProcessHub(keys, self._intake)
-                    self._address = self._hub.address, self._hub.authkey, keys
-        return self._address
-
-    def close(self, timeout: float | None) -> None:
-        """Close the hub, if one was started (after the queue was closed: none starts again)."""
-        with self._lock:
-            hub, self._hub = self._hub, None
-        if hub is not None:
-            hub.close(timeout)
+        return self.lazy_hub.open()
 
     def __reduce__(self) -> tuple:
         from torchrl_batchserve.transport.client import ProcessClient
@@ -80,9 +100,10 @@ class LocalEndpoint:
         if self._forked is None or self._forked[0] != os.getpid():
             from torchrl_batchserve.transport.client import ProcessClient
 
-            if self._address is None:  # the server starts its hub before any fork, if it is running
+            address = self.lazy_hub.address  # the server starts its hub before any fork, if it is running
+            if address is None:
                 raise ServerBrokenError("forked before the server could serve other processes (it was not running)")
-            self._forked = (os.getpid(), ProcessClient(*self._address))
+            self._forked = (os.getpid(), ProcessClient(*address))
         return self._forked[1]
 
     def call(self, td: TensorDictBase) -> TensorDictBase:
