@@ -32,6 +32,7 @@ from torchrl_batchserve import (
     WeightSyncError,
 )
 from torchrl_batchserve.request import BlockingRequest, Relay
+from torchrl_batchserve.transport.hub import _Client
 
 
 def client_of(server):
@@ -282,6 +283,28 @@ def test_a_remote_policy_keeps_its_server_serving_after_the_last_other_reference
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_a_hub_client_dropped_twice_closes_no_descriptor_that_reused_its_numbers():
+    # The hub's reader drops a worker that hung up; a close() running at that moment drops it again.
+    ours, theirs = socket.socketpair()
+    client = _Client(ours, 1)
+    os.close(client.headers_fd)  # (the handshake's, once the worker has it)
+    bells = {client.requests_bell, client.replies_bell}
+    client.close()
+    reused = []
+    while not bells <= set(reused):  # Linux gives the lowest free numbers: the bells' are taken again
+        reused.append(os.eventfd(0))
+        assert len(reused) <= 8, "the freed numbers were not reused"
+    try:
+        client.close()
+        for fd in reused:
+            os.fstat(fd)  # still open: the second close closed nothing of anyone else's
+    finally:
+        for fd in reused:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        theirs.close()
 
 
 class DropsAKey(TensorDictModuleBase):

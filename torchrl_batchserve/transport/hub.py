@@ -119,6 +119,7 @@ class _Client:
         self.in_flight = 0  # requests accepted and not yet answered (under send_lock)
         self.varying = False
         self.alive = True
+        self.closed = False
 
     def send(self, message: Any, fds: Sequence[int] = ()) -> None:
         """Send ``message``, with the descriptors ``fds`` if any (closed here, sent or not)."""
@@ -172,8 +173,15 @@ class _Client:
         self._send(("done", request.seq, None, None, None, slot.describe()), fds=[fd])
 
     def close(self) -> None:
-        """Close every descriptor (the caller holds ``send_lock`` or is the only thread left)."""
+        """Close every descriptor, once (the caller holds ``send_lock`` or is the only thread left).
+
+        Once: a number closed twice may by then be another file's (the
+        reader and ``ProcessHub.close`` may both drop a client).
+        """
         self.alive = False
+        if self.closed:
+            return
+        self.closed = True
         for close in (self.wire.close, lambda: os.close(self.requests_bell), lambda: os.close(self.replies_bell)):
             try:
                 close()
