@@ -110,6 +110,7 @@ class ProcessClient:
             raise ServerClosedError("the server is closed and accepts no more requests")
         if self._conn is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn = None
             try:
                 sock.settimeout(HANDSHAKE_TIMEOUT)
                 sock.connect(self.address)
@@ -130,7 +131,7 @@ class ProcessClient:
                 self._bells = conn.take_fd(), conn.take_fd()
                 self._release = weakref.finalize(self, _close_fds, self._bells)  # the bells go with the client
             except (OSError, EOFError) as err:
-                sock.close()
+                (sock if conn is None else conn).close()  # the wire closes descriptors it received, not taken
                 self._closed = True
                 raise ServerClosedError(f"the server at {self.address} is closed or gone ({err})") from err
             self._conn = conn
