@@ -12,6 +12,7 @@ import queue
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import process_workers as pw
 import pytest
@@ -565,6 +566,36 @@ def test_scheme_arguments_and_clean_import():
         BatchServeWeightSyncScheme(object(), address="127.0.0.1", port=1, world_size=2)
     code = "import warnings; warnings.simplefilter('error'); import torchrl_batchserve"
     subprocess.run([sys.executable, "-c", code], check=True)  # no DeprecationWarning from WeightUpdaterBase
+
+
+def test_a_push_that_loses_to_a_local_update_is_dropped_and_the_receiver_takes_the_next():
+    # update_weights() in the server's process may stage a newer version while a pushed one is in transfer.
+    from torchrl_batchserve import WeightBroadcaster
+
+    port = free_port()
+    policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server, ThreadPoolExecutor(1) as pool:
+        trainer = pool.submit(WeightBroadcaster, "127.0.0.1", port, 2, timeout=10)
+        receiver = server.receive_weights("127.0.0.1", port, 1, 2, timeout=10)
+        trainer = trainer.result(timeout=60)
+        stage = server._weights.stage
+
+        def local_push_wins(weights, version=None):  # the local push lands between the check and the stage
+            server._weights.stage = stage
+            server.update_weights(policy, version=10)
+            return stage(weights, version)
+
+        server._weights.stage = local_push_wins
+        pushed = TensorDictModule(pw.make_net(11), in_keys=["observation"], out_keys=["logits"])
+        trainer.push(pushed, version=1)  # staged too late: dropped
+        trainer.push(pushed, version=11)
+        remote = server.remote_policy()
+        wait_for(lambda: int(remote(TensorDict(observation=torch.ones(8)))["policy_version"]) == 11, "version 11")
+        out = remote(TensorDict(observation=torch.ones(8)))
+        assert receiver.alive and receiver.error is None
+        trainer.close()
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], pw.make_net(11)(torch.ones(8)))
 
 
 def test_a_dead_trainer_leaves_the_server_serving_its_last_version():

@@ -218,8 +218,11 @@ class WeightReceiver:
             buffers[dtype] = torch.empty(buffers[dtype].numel() + n if dtype in buffers else n, dtype=dtype)
         for buffer in buffers.values():
             _wait(self._group.broadcast(buffer, 0))
-        self._shadow.stage(self._unflatten(layout, buffers), version)
-        return True
+        try:
+            self._shadow.stage(self._unflatten(layout, buffers), version)
+        except WeightSyncError as err:  # a push in this process staged a newer version during the transfer
+            _log.warning("weight receiver (rank %d) dropped version %d: %s", self.rank, version, err)
+        return True  # receive the next push either way
 
     def _check(self, version: int, layout: list) -> str | None:
         served = _layout(self._shadow.served)
