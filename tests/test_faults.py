@@ -29,6 +29,7 @@ from torchrl_batchserve import (
     QueueFullError,
     ServerBrokenError,
     ServerClosedError,
+    StackCollate,
     WeightSyncError,
 )
 from torchrl_batchserve.request import BlockingRequest, Relay
@@ -305,6 +306,50 @@ def test_a_hub_client_dropped_twice_closes_no_descriptor_that_reused_its_numbers
             with contextlib.suppress(OSError):
                 os.close(fd)
         theirs.close()
+
+
+class HeldCheck(StackCollate):
+    """A collate whose request check (run by whoever validates: the hub's reader for a worker) can be held."""
+
+    def __init__(self):
+        super().__init__()
+        self.hold, self.entered, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def check(self, keys, values, batch_dims):
+        if self.hold.is_set():
+            self.entered.set()
+            assert self.release.wait(30)
+
+
+def test_a_closing_hub_leaves_a_workers_descriptors_to_the_reader_that_is_reading_them():
+    collate = HeldCheck()
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    server = BatchedPolicyServer(policy, collate=collate)
+    client = client_of(server)
+    client(obs())
+    hub = server._endpoint.hub
+    [worker] = hub._clients.values()
+    outcome: list = []
+
+    def call() -> None:
+        try:
+            client(obs())
+        except BatchServeError as err:
+            outcome.append(err)
+
+    collate.hold.set()
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert collate.entered.wait(30)  # the reader is inside this worker's request
+    server.close(wait=False)  # the hub's close does not wait for the reader
+    try:
+        assert not worker.closed  # its bells are the reader's to close
+        os.fstat(worker.requests_bell)
+    finally:
+        collate.release.set()
+    caller.join(30)
+    assert not caller.is_alive() and isinstance(outcome[0], ServerClosedError)
+    wait_for(lambda: worker.closed and not hub._reader.is_alive(), "the reader to release the worker and end")
 
 
 class DropsAKey(TensorDictModuleBase):

@@ -42,6 +42,8 @@ into a :class:`ProcessRequest` through the server's
 callers. A request that fails in any way fails alone; if the reader itself
 dies (a bug), every worker is told and dropped, since no one would read its
 requests. Replies are written by the serve loop that completes the request.
+The reader alone closes the descriptors of the clients it reads (a worker that
+hung up, and every worker when the hub closes), so none is closed under it.
 
 Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`):
 
@@ -331,7 +333,7 @@ class ProcessHub:
             while True:
                 with self._lock:
                     if self._closed:
-                        return
+                        break
                     for client in self._pending:
                         self._clients[client.ident] = client
                         selector.register(client.wire, selectors.EVENT_READ, (client, self._read))
@@ -348,6 +350,9 @@ class ProcessHub:
                         selector.unregister(client.wire)
                         selector.unregister(client.requests_bell)
                         self._drop(client)
+            for client in list(self._clients.values()):  # closed: this thread alone releases what it reads
+                client.send(("closed",))
+                self._drop(client)
         except BaseException as err:
             _log.exception("the process hub's reader died")  # only a bug gets here
             self._break(f"the server's process hub failed: {err!r}")
@@ -473,24 +478,27 @@ class ProcessHub:
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self, timeout: float | None = 5.0) -> bool:
-        """Stop accepting, tell every client the server closed, release everything; whether both threads ended."""
+        """Stop accepting and tell every client the server closed; whether both threads ended.
+
+        The reader tells the clients it reads and releases them on its way
+        out, so that no descriptor it may be reading is closed under it
+        (``timeout`` may end the wait for it first).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if self._closed:
                 return True
             self._closed = True
-            clients = list(self._clients.values()) + self._pending
-            self._pending.clear()
+            pending, self._pending = self._pending, []
         os.write(self._wake_w, b"x")
         self._knock()
         self._listener.close()
         self._finalizer()  # the socket file and its folder
-        for thread in (self._accepter, self._reader):
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        for client in clients:
+        for client in pending:  # admitted, not yet read
             client.send(("closed",))
             self._drop(client)
-        self._clients.clear()
+        for thread in (self._accepter, self._reader):
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         stopped = not (self._accepter.is_alive() or self._reader.is_alive())
         if stopped:
             for fd in (self._wake_r, self._wake_w):
