@@ -139,7 +139,7 @@ def test_variable_length_requests_from_a_worker_are_padded_with_everyone_elses()
         with ThreadPoolExecutor(4) as pool:  # the worker's requests, one at a time, batch with local ones
             mixed = pool.map(local, tds[::2])
             outs = [client(td) for td in tds[1::2]] + list(mixed)
-        [worker] = server._endpoint.hub._clients.values()
+        [worker] = server._endpoint.lazy_hub.hub._clients.values()
         lanes, varying = len(worker.lanes), worker.varying
     for td in outs:
         logits, value = alone(net, td["tokens"])

@@ -91,8 +91,8 @@ def test_n_workers_m_requests_each_get_their_own_results():
         remote = server.remote_policy()  # one object handed to every worker
         outs = run_workers(SPAWN, pw.random_requests, [(remote, seed, 40) for seed in range(3)])
         stats = server.statistics()
-        address, arrived = server._endpoint.hub.address, dict(server._endpoint.hub.arrived)
-        wait_for(lambda: server._endpoint.hub.clients == 0, "the hub to drop the workers that exited")
+        address, arrived = server._endpoint.lazy_hub.hub.address, dict(server._endpoint.lazy_hub.hub.arrived)
+        wait_for(lambda: server._endpoint.lazy_hub.hub.clients == 0, "the hub to drop the workers that exited")
         gc.collect()
         assert slot_mappings() == before  # their lanes and bells went with them
     assert sorted(seed for seed, _, _ in outs) == [0, 1, 2] and len({pid for _, pid, _ in outs}) == 3
@@ -140,7 +140,7 @@ def test_pickled_copies_are_separate_clients():
         a, b = pickle.loads(pickle.dumps(remote)), pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(remote))))
         assert isinstance(a._endpoint, ProcessClient) and a._endpoint is not b._endpoint
         ta, tb = a(TensorDict(observation=torch.zeros(8))), b(TensorDict(observation=torch.ones(8)))
-        assert server._endpoint.hub.clients == 2
+        assert server._endpoint.lazy_hub.hub.clients == 2
         with torch.no_grad():
             torch.testing.assert_close(tb["logits"], policy.module(torch.ones(8)))
             torch.testing.assert_close(ta["logits"], policy.module(torch.zeros(8)))
@@ -197,7 +197,7 @@ def test_close_leaves_no_thread_of_the_hub_behind():
     server = BatchedPolicyServer(policy)
     client = pickle.loads(pickle.dumps(server.remote_policy()))
     client(TensorDict(observation=torch.zeros(8)))  # the hub accepted, and reads, a client
-    hub = server._endpoint.hub
+    hub = server._endpoint.lazy_hub.hub
     threads = [hub._accepter, hub._reader]
     assert all(t.is_alive() for t in threads)
     assert server.close(timeout=10)
@@ -235,7 +235,7 @@ def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
         pw.kill(victim.pid)
         victim.join(30)
         gated.gate.set()  # the dead worker's batch completes; its reply goes nowhere
-        wait_for(lambda: server._endpoint.hub.clients == 0, "the hub to drop the dead worker")
+        wait_for(lambda: server._endpoint.lazy_hub.hub.clients == 0, "the hub to drop the dead worker")
         outs = run_workers(SPAWN, pw.random_requests, [(remote, seed, 15) for seed in (5, 6)])
         assert results.empty()  # the victim never reported anything
     for _, _, out in outs:
@@ -680,7 +680,7 @@ def test_threads_tasks_and_futures_of_one_worker_share_its_remote_policy_and_bat
         gated.gate.set()
         out = report(results, [worker])
         worker.join(30)
-        arrived = server._endpoint.hub.arrived
+        arrived = server._endpoint.lazy_hub.hub.arrived
     assert len(out) == callers * 5
     assert max(gated.batches) >= callers // 2  # requests of several callers of one process in one batch
     assert arrived["lane"] >= callers * 5 // 2  # a lane for each caller in flight (all but the first round)
@@ -731,11 +731,11 @@ def test_asyncio_tasks_wait_for_lane_replies_in_their_event_loop_and_a_cancelled
     obs = [torch.randn(8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
 
     async def held_round() -> list:
-        before = server._endpoint.hub.arrived["lane"]
+        before = server._endpoint.lazy_hub.hub.arrived["lane"]
         hold.set()
         tasks = [asyncio.create_task(remote.acall(TensorDict(observation=x))) for x in obs]
         ticks = 0
-        while not (entered.is_set() and server._endpoint.hub.arrived["lane"] - before == 8):
+        while not (entered.is_set() and server._endpoint.lazy_hub.hub.arrived["lane"] - before == 8):
             ticks += 1  # the loop runs on while every task waits for its reply
             await asyncio.sleep(0.001)
         tasks[0].cancel()
@@ -762,10 +762,10 @@ def test_a_closing_server_fails_every_task_waiting_on_a_lane_promptly():
     server, remote, _, (hold, entered, release) = _tasks_on_lanes(8)
 
     async def closed_round() -> list:
-        before = server._endpoint.hub.arrived["lane"]
+        before = server._endpoint.lazy_hub.hub.arrived["lane"]
         hold.set()
         tasks = [asyncio.create_task(remote.acall(TensorDict(observation=torch.zeros(8)))) for _ in range(8)]
-        while not (entered.is_set() and server._endpoint.hub.arrived["lane"] - before == 8):
+        while not (entered.is_set() and server._endpoint.lazy_hub.hub.arrived["lane"] - before == 8):
             await asyncio.sleep(0.001)
         server.close(wait=False, cancel_pending=True)
         return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)

@@ -177,8 +177,8 @@ class _Client:
     def close(self) -> None:
         """Close every descriptor, once (the caller holds ``send_lock`` or is the only thread left).
 
-        Once: a number closed twice may by then be another file's (the
-        reader and ``ProcessHub.close`` may both drop a client).
+        Once, whoever calls again: a number closed twice may by then be
+        another file's.
         """
         self.alive = False
         if self.closed:

@@ -78,11 +78,6 @@ class LocalEndpoint:
         self._pid = os.getpid()
         self._forked: Any = None
 
-    @property
-    def hub(self) -> ProcessHub | None:
-        """The hub, once other processes were offered the server."""
-        return self.lazy_hub.hub
-
     def process_address(self) -> tuple[str, bytes, list]:
         """Where clients in other processes connect: ``(address, authkey, keys)``; starts the hub once."""
         return self.lazy_hub.open()
