@@ -268,6 +268,62 @@ def test_a_policy_that_raises_mid_search_ends_it_with_a_typed_error(searchers):
     assert search.run(tree, 5) is not None  # the tree and the search still work: later calls succeed
 
 
+class FailingEnv:
+    """TicTacToe whose ``fail_at``-th step raises, or (``stuck``) whose steps lead nowhere without ending."""
+
+    def __init__(self, fail_at: int | None = None, stuck: bool = False) -> None:
+        self.env, self.steps, self.fail_at, self.stuck = TicTacToeEnv(), 0, fail_at, stuck
+        self.full_state_spec, self.observation_spec = self.env.full_state_spec, self.env.observation_spec
+
+    def reset(self) -> TensorDictBase:
+        return self.env.reset()
+
+    def step(self, td: TensorDictBase) -> TensorDictBase:
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("env failed on purpose")
+        out = self.env.step(td)
+        if self.stuck:
+            out["next", "mask"] = torch.zeros_like(out["next", "mask"])
+            out["next", "done"] = torch.zeros_like(out["next", "done"])
+        return out
+
+
+@pytest.mark.parametrize("searchers", [1, 4])
+@pytest.mark.parametrize("leaves_per_request", [1, 4])
+def test_an_env_step_that_raises_mid_search_leaves_no_walk_in_flight(searchers, leaves_per_request):
+    env = FailingEnv(fail_at=30)
+    search = TreeSearch(env, make_policy(), searchers=searchers, leaves_per_request=leaves_per_request)
+    tree = search.tree(env.reset())
+    with pytest.raises(SearchError, match="env failed on purpose") as info:
+        search.run(tree, 500)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert_consistent(tree.root, tree.root.total)  # the walks that were descending, or waiting, left nothing
+    done = tree.root.total
+    search.run(tree, 20)  # the tree searches on, unbiased by stale virtual losses
+    assert_consistent(tree.root, done + 20)
+    search.close()
+
+
+def test_a_step_into_a_stuck_state_and_an_illegal_move_are_refused():
+    env = FailingEnv(stuck=True)
+    search = TreeSearch(env, make_policy(), searchers=2)
+    tree = search.tree(env.reset())
+    with pytest.raises(SearchError, match=r"led to a state with no legal move \('mask' all False\) whose 'done'"):
+        search.run(tree, 10)
+    assert_consistent(tree.root, 0)
+    with pytest.raises(SearchError, match="action 4 led to a state with no legal move"):
+        search.advance(search.tree(env.reset()), 4)
+    legal = TicTacToeEnv()
+    search = TreeSearch(legal, make_policy())
+    tree = search.advance(search.tree(legal.reset()), 4)
+    with pytest.raises(
+        ValueError, match=r"action must be a legal move of the root, one of \[0, 1, 2, 3, 5, 6, 7, 8\] \(got 4\)"
+    ):
+        search.advance(tree, 4)
+    search.close()
+
+
 @pytest.mark.parametrize("mode", ["threads", "asyncio"])
 def test_a_server_that_closes_mid_search_ends_it_with_a_typed_error(mode):
     env = TicTacToeEnv()

@@ -10,7 +10,7 @@ say what they handle::
     ├── BadRequestError        this request can never be served (key, shape, dtype, ...)
     ├── QueueFullError         max_queue_size rows are already waiting
     ├── PolicyError            the policy broke its contract (missing out_key, wrong rows, ...)
-    ├── SearchError            a tree search stopped: a leaf evaluation failed (mcts.TreeSearch)
+    ├── SearchError            a tree search stopped: an evaluation or an env step failed (mcts.TreeSearch)
     └── WeightSyncError        a weight update was rejected; the old weights stay
 
 A policy that raises during a batch is not wrapped: every caller of that batch
@@ -71,7 +71,7 @@ class WeightSyncError(BatchServeError):
 
 
 class SearchError(BatchServeError):
-    """A tree search stopped because a leaf evaluation failed; the failure is chained as ``__cause__``."""
+    """A tree search stopped because an evaluation or an env step failed; the failure is chained as ``__cause__``."""
 
 
 def portable(error: BaseException) -> BaseException:

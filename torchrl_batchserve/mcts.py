@@ -224,8 +224,11 @@ class TreeSearch:
 
     def advance(self, tree: Tree, action: int) -> Tree:
         """The tree after ``action`` is played: the child's subtree, its statistics kept."""
+        legal = [a for a, ok in enumerate(tree.root.legal) if ok]
+        if isinstance(action, bool) or action not in legal:
+            raise ValueError(f"action must be a legal move of the root, one of {legal} (got {action!r})")
         with tree.lock:
-            return Tree(self._child(tree.root, action))
+            return Tree(self._child(tree.root, int(action)))
 
     def _node(self, state: TensorDictBase, terminal: float | None) -> Node:
         return Node(state, state[self.mask_key].reshape(-1).bool().tolist(), terminal)
@@ -238,7 +241,13 @@ class TreeSearch:
             terminal = None
             if bool(step[self.done_key].any()):
                 terminal = -float(step[self._mover_reward(turn)])  # the mover's win is a loss for the player to move
-            child = node.children[action] = self._node(step.select(*self.state_keys), terminal)
+            child = self._node(step.select(*self.state_keys), terminal)
+            if terminal is None and not any(child.legal):
+                raise SearchError(
+                    f"action {action} led to a state with no legal move ({self.mask_key!r} all False) "
+                    f"whose {self.done_key!r} is False"
+                )
+            node.children[action] = child
         return child
 
     def _mover_reward(self, turn: int) -> NestedKey:
@@ -270,16 +279,20 @@ class TreeSearch:
         ended in a finished game, whose value comes with it).
         """
         node, path = root, []
-        while True:
-            action = self._select(node)
-            node.pending[action] += 1
-            path.append((node, action))
-            child = self._child(node, action)
-            if child.terminal is not None:
-                return path, None, child.terminal
-            if child.priors is None:
-                return path, child, 0.0
-            node = child
+        try:
+            while True:
+                action = self._select(node)
+                node.pending[action] += 1
+                path.append((node, action))
+                child = self._child(node, action)  # may step the env, which may raise
+                if child.terminal is not None:
+                    return path, None, child.terminal
+                if child.priors is None:
+                    return path, child, 0.0
+                node = child
+        except BaseException:
+            self._undo(path)
+            raise
 
     @staticmethod
     def _backup(path: list[tuple[Node, int]], value: float) -> None:
@@ -318,23 +331,23 @@ class TreeSearch:
     def _walker(self, tree: Tree, run: _Run) -> Walker:
         """Claim simulations and walk them, ``leaves_per_request`` leaves a request, until none are left."""
         while True:
-            with tree.lock:
-                count = run.claim(self.leaves_per_request)
-                if not count:
-                    return
-                walks = []
-                for _ in range(count):
-                    path, leaf, value = self._descend(tree.root)
-                    if leaf is None:
-                        self._backup(path, value)
-                    else:
-                        walks.append((path, leaf))
-            if not walks:
-                continue
+            walks: list[tuple[list[tuple[Node, int]], Node]] = []
             try:
+                with tree.lock:
+                    count = run.claim(self.leaves_per_request)
+                    if not count:
+                        return
+                    for _ in range(count):
+                        path, leaf, value = self._descend(tree.root)
+                        if leaf is None:
+                            self._backup(path, value)
+                        else:
+                            walks.append((path, leaf))
+                if not walks:
+                    continue
                 out = yield self._request([leaf for _, leaf in walks])
                 logits, values = self._read(out, len(walks))
-            except BaseException:
+            except BaseException:  # an env step or the evaluation failed: no walk stays in flight
                 with tree.lock:
                     for path, _ in walks:
                         self._undo(path)
@@ -367,9 +380,10 @@ class TreeSearch:
 
         Raises:
             SearchError: a leaf evaluation failed (the server closed, the
-                policy raised: chained as ``__cause__``); the search stopped,
-                every walk in flight finished, and the tree holds the walks
-                that completed.
+                policy raised) or an env step did (chained as ``__cause__``),
+                or a step led to a state with no legal move that is not done.
+                The search stopped, every walk in flight finished, and the
+                tree holds the walks that completed, none left in flight.
         """
         request = self._check(tree, simulations)
         with torch.no_grad():
@@ -474,7 +488,7 @@ class TreeSearch:
             error = run.error
             if isinstance(error, SearchError) or not isinstance(error, Exception):
                 raise error  # a KeyboardInterrupt stays one
-            raise SearchError(f"a leaf evaluation failed and the search stopped: {error!r}") from error
+            raise SearchError(f"the search stopped: {error!r}") from error
         root = tree.root
         visits = torch.tensor(root.visits, dtype=torch.float64)
         if temperature == 0:
