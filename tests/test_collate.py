@@ -304,6 +304,32 @@ def _nested_map(fn, items, tensor):
     return [_nested_map(fn, item, t) for item, t in zip(items, tensor)]
 
 
+class Tagging(TensorDictModuleBase):
+    """Doubles the observation and tags the whole batch with one string (a ``NonTensorData``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["x"], ["y", "tag"]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        return td.set("y", td["x"] * 2).set("tag", "batch-tag")
+
+
+def test_non_tensor_data_set_once_for_the_batch_reaches_every_caller_on_every_path():
+    gated = Gated(Tagging())
+    tds = [TensorDict(x=torch.ones(2)), TensorDict(x=torch.rand(3, 2), batch_size=[3]), TensorDict(x=torch.rand(2))]
+    with BatchedPolicyServer(gated, timeout=1e6) as server:
+        outs = serve_held(server, gated, tds[0], tds[1:])  # one batch of single and multi-row requests
+    assert len(gated.batches) == 2 and gated.batches[1].batch_size == (4,)
+    with BatchedPolicyServer(Tagging()) as server:  # the worker-process path: the tag comes pickled
+        client = pickle.loads(pickle.dumps(server.remote_policy()))
+        outs += [client(TensorDict(x=torch.rand(2))), client(TensorDict(x=torch.rand(4, 2), batch_size=[4]))]
+    for td in outs:
+        torch.testing.assert_close(td["y"], td["x"] * 2)
+        tags = td["tag"] if not td.batch_dims else td.get("tag").tolist()
+        assert tags == ("batch-tag" if not td.batch_dims else ["batch-tag"] * td.batch_size[0])
+
+
 def test_nested_tensordict_with_other_leaves_is_a_bad_request():
     policy = TensorDictModule(lambda board: board["a"].sum(-1), in_keys=["board"], out_keys=["s"])
     with BatchedPolicyServer(policy) as server:

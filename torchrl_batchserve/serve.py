@@ -349,16 +349,11 @@ class Serving:
                 raise PolicyError(
                     f"out_key {key!r}: missing from the policy's output (it has {sorted(map(str, output.keys(True)))})"
                 )
-            value = output.get(key)
-            if isinstance(value, torch.Tensor):
-                if rows is not None and (not value.shape or value.shape[0] != rows):
-                    raise PolicyError(
-                        f"out_key {key!r}: expected a leading dim of the batch's {rows} rows, "
-                        f"got shape {tuple(value.shape)}"
-                    )
-            elif not isinstance(value, TensorDictBase):
+            value = output.get(key)  # a tensor, a TensorDict or non-tensor data: it has a batch size
+            shape = value.shape if isinstance(value, torch.Tensor) else value.batch_size
+            if rows is not None and (not shape or shape[0] != rows):
                 raise PolicyError(
-                    f"out_key {key!r}: expected a tensor, a TensorDict or non-tensor data, got {type(value).__name__}"
+                    f"out_key {key!r}: expected a leading dim of the batch's {rows} rows, got shape {tuple(shape)}"
                 )
 
     # -- cancellation and the evaluation cache --------------------------------------
