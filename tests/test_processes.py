@@ -351,8 +351,14 @@ def test_bad_requests_from_a_worker_get_typed_errors(spec):
 
         with pytest.raises(BadRequestError, match=r"key 'observation': expected feature shape \(8,\)"):
             remote(TensorDict(observation=torch.zeros(5)))
-        with pytest.raises(BadRequestError, match="key 'observation': missing"):
+        with pytest.raises(BadRequestError, match=r"key 'observation': missing; .* the request has \['other'\]"):
             remote(TensorDict(other=torch.zeros(8)))
+        with pytest.raises(BadRequestError, match="a request's TensorDict must be unlocked"):
+            remote(TensorDict(observation=torch.zeros(8)).lock_())  # refused before it is sent, on every path
+        with pytest.raises(BadRequestError, match="a request's TensorDict must be unlocked"):
+            remote.submit(TensorDict(observation=torch.zeros(8)).lock_())
+        with pytest.raises(BadRequestError, match="a request's TensorDict must be unlocked"):
+            asyncio.run(remote.acall(TensorDict(observation=torch.zeros(8)).lock_()))
         assert remote(TensorDict(observation=torch.zeros(4, 8), batch_size=[4]))["logits"].shape == (4, 3)
 
 

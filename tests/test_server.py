@@ -295,6 +295,10 @@ def test_timeout_fires_a_partial_batch():
             TensorDict(observation=torch.randn(0, 8), batch_size=[0]),
             r"a request needs at least one row, got batch size \[0\]",
         ),
+        (
+            TensorDict(observation=torch.randn(8)).share_memory_(),
+            r"a request's TensorDict must be unlocked: the outputs are written into it; this one is locked",
+        ),
     ],
 )
 def test_bad_requests_fail_their_caller_only(policy, net, bad, message):

@@ -31,7 +31,7 @@ from tensordict import TensorDictBase, is_non_tensor
 
 from torchrl_batchserve.errors import BadRequestError
 
-__all__ = ["KeySpec", "Layout", "Validated", "entry", "flat_rows", "layout_of", "shaped_rows"]
+__all__ = ["KeySpec", "Layout", "Validated", "flat_rows", "layout_of", "request_entries", "shaped_rows"]
 
 
 Fields = tuple[tuple[tuple[str, ...], Any, Any], ...]  # (leaf path, dtype, feature shape)
@@ -84,12 +84,26 @@ class Validated(NamedTuple):
     layout: tuple[KeySpec, ...] | None = None  # the request's own, while the server has none confirmed
 
 
-def entry(td: TensorDictBase, key: Any) -> Any:
-    """``td.get(key, None)``, with a read that fails (a lazy stack of differing shapes) as a bad request."""
+def request_entries(td: Any, keys: Sequence[Any]) -> list[Any]:
+    """``td``'s entry under each key, once ``td`` is a request: a TensorDict that carries them and takes outputs.
+
+    Raises :class:`BadRequestError` naming what is wrong, before anything is
+    sent or queued (the outputs are written into ``td``, as a
+    ``TensorDictModule`` writes them, so a locked one could not take them).
+    """
+    if not isinstance(td, TensorDictBase):
+        raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
+    if td.is_locked:
+        raise BadRequestError(
+            "a request's TensorDict must be unlocked: the outputs are written into it; this one is locked "
+            "(share_memory_, memmap_ and lock_ lock it): send td.clone() or unlock_() it"
+        )
     try:
-        return td.get(key, None)
-    except (RuntimeError, ValueError) as err:
-        raise BadRequestError(f"key {key!r}: cannot be read as one batched entry ({err})") from None
+        return _entries(td, keys)
+    except _Missing as missing:
+        raise BadRequestError(
+            f"key {missing.key!r}: missing; the policy reads {list(keys)}, the request has {missing.has}"
+        ) from None
 
 
 class Layout:
@@ -150,16 +164,9 @@ class Layout:
 
     def check(self, td: Any) -> Validated:
         """Validate ``td`` and return its inputs; raise :class:`BadRequestError`."""
-        if not isinstance(td, TensorDictBase):
-            raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
+        values = request_entries(td, self.keys)
         batch_shape = td.batch_size
         batch_dims = len(batch_shape)
-        try:
-            values = _entries(td, self.keys)
-        except _Missing as missing:
-            raise BadRequestError(
-                f"key {missing.key!r}: missing; the policy reads {list(self.keys)}, the request has {missing.has}"
-            ) from None
         own = None
         specs = self._specs
         if specs is None:  # nothing served yet: the request's own layout, which the serve loop groups by
@@ -297,10 +304,16 @@ class _Missing(Exception):
 
 
 def _entries(td: Any, keys: Sequence[Any]) -> list[Any]:
-    """``td``'s entry under each key; raises :class:`_Missing` for the first it lacks."""
+    """``td``'s entry under each key; raises :class:`_Missing` for the first it lacks.
+
+    A read that fails (a lazy stack of differing shapes) is a bad request.
+    """
     values = []
     for key in keys:
-        value = entry(td, key)
+        try:
+            value = td.get(key, None)
+        except (RuntimeError, ValueError) as err:
+            raise BadRequestError(f"key {key!r}: cannot be read as one batched entry ({err})") from None
         if value is None:
             raise _Missing(key, sorted(map(str, td.keys(True, True))))
         values.append(value)

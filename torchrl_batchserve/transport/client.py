@@ -35,8 +35,8 @@ from typing import Any
 from tensordict import TensorDictBase
 from tensordict.nn.probabilistic import interaction_type
 
-from torchrl_batchserve.errors import BadRequestError, ServerBrokenError, ServerClosedError
-from torchrl_batchserve.layout import entry
+from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError
+from torchrl_batchserve.layout import request_entries
 from torchrl_batchserve.request import write_outputs
 from torchrl_batchserve.transport.hub import ADMITTED, HANDSHAKE_TIMEOUT, REFUSED_BROKEN
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Lane, Slot
@@ -176,11 +176,9 @@ class ProcessClient:
         task, a ``submit``), which sends only through a free lane of a
         connected client (``None`` otherwise: the caller waits in :meth:`_wait`).
         """
-        if not isinstance(td, TensorDictBase):
-            raise BadRequestError(f"a request must be a TensorDictBase, got {type(td).__name__}")
+        inputs = request_entries(td, self.in_keys)  # a bad request is refused here, with the hub's words
         batch_shape = tuple(td.batch_size)
         rows = td.batch_size.numel()
-        inputs = [entry(td, key) for key in self.in_keys]
         mode = interaction_type()
         with self._cond:
             if task is not None and self._conn is None and not self._closed:
@@ -198,8 +196,7 @@ class ProcessClient:
                     lane.seq = seq
                     os.eventfd_write(self._bells[0], 1 << lane.index)  # type: ignore[index]
                 else:
-                    present = [k for k, v in zip(self.in_keys, inputs) if v is not None]
-                    payload = pickle.dumps(td.select(*present, strict=False), protocol=pickle.HIGHEST_PROTOCOL)
+                    payload = pickle.dumps(td.select(*self.in_keys), protocol=pickle.HIGHEST_PROTOCOL)
                     conn.send(("req", seq, None if mode is None else mode.value, payload))
             except OSError as err:
                 self._closed = True
