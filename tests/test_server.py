@@ -479,6 +479,20 @@ def test_never_started_server_fails_queued_on_close(policy):
         server.remote_policy().submit(obs())
 
 
+def test_a_closed_server_takes_no_weights_and_joins_no_weight_group(policy):
+    server = BatchedPolicyServer(policy)
+    assert server.update_weights(policy) == 1
+    server.close()
+    with pytest.raises(ServerClosedError, match="the server is closed and takes no more weights"):
+        server.update_weights(policy)
+    with pytest.raises(ServerClosedError, match="the server is closed and takes no more weights"):
+        server.weight_sync_scheme().send(policy)
+    threads = threading.active_count()
+    with pytest.raises(ServerClosedError, match="the server is closed and joins no weight group"):
+        server.receive_weights("127.0.0.1", 1, 1, 2, timeout=1)  # refused before it would wait for a trainer
+    assert server.policy_version == 1 and threading.active_count() == threads
+
+
 def test_broken_serve_loop_fails_everyone_with_a_typed_error(policy):
     server = BatchedPolicyServer(policy).start()
     remote = server.remote_policy()

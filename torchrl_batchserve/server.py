@@ -402,8 +402,15 @@ class BatchedPolicyServer(TensorDictModule):
         from tensors it only reads (a trainer's autograd is not disturbed);
         the serve loops only swap it in between two batches. ``version``
         numbers the push (it must exceed the current one; default: the next).
+        A closed server serves nothing more: it raises
+        :class:`~torchrl_batchserve.errors.ServerClosedError`.
         """
+        self._refuse_if_closed("takes no more weights")
         return self._weights.stage(self.module if weights is None else weights, version)
+
+    def _refuse_if_closed(self, what: str) -> None:
+        if self._queue.closed:
+            raise ServerClosedError(f"the server is closed and {what}")
 
     def receive_weights(
         self, address: str, port: int, rank: int, world_size: int, *, timeout: float = 60.0
@@ -414,11 +421,18 @@ class BatchedPolicyServer(TensorDictModule):
         :class:`~torchrl_batchserve.BatchServeWeightSyncScheme` with an address)
         on ``address:port`` with the same ``world_size``. Pushes are received in
         a thread into a shadow copy and served from the next batch on; the
-        default process group is never touched. Stops with the server.
+        default process group is never touched. Stops with the server; a
+        closed server raises :class:`~torchrl_batchserve.errors.ServerClosedError`.
         """
+        self._refuse_if_closed("joins no weight group")
         receiver = WeightReceiver(self._weights, address, port, rank, world_size, timeout=timeout)
         with self._lifecycle:
-            self._receivers.append(receiver)
+            closed = self._queue.closed
+            if not closed:
+                self._receivers.append(receiver)
+        if closed:  # closed while it joined: nobody else would stop it
+            receiver.close(0.0)
+            self._refuse_if_closed("joins no weight group")
         return receiver
 
     def weight_sync_scheme(self) -> Any:
