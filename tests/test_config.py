@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -122,6 +124,10 @@ def test_one_name_one_server_and_other_settings_under_it_are_refused(recipe_dir)
     rebuilt = instantiate(cfg.server)  # a closed server is built anew
     assert rebuilt is not server and not rebuilt.closed
     rebuilt.close()
+    gone = weakref.ref(rebuilt)
+    del server, rebuilt
+    gc.collect()
+    assert gone() is None  # the name does not keep a closed server (and its replicas' memory) alive
 
 
 def test_an_input_spec_in_yaml_fixes_the_layout_by_key_and_names_the_entry_it_cannot_read():

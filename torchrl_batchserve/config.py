@@ -40,6 +40,7 @@ by the caller.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +136,9 @@ class WeightSyncSchemeConfig(ConfigBase):
         """Nothing to derive."""
 
 
-_SERVERS: dict[str, tuple[dict, BatchedPolicyServer]] = {}
+# name -> (settings, server): held weakly, so a server nobody uses any more (a closed one, its
+# replicas' device memory included) is not kept alive by its name.
+_SERVERS: dict[str, tuple[dict, weakref.ref[BatchedPolicyServer]]] = {}
 _SERVERS_LOCK = threading.Lock()
 _NOT_KWARGS = ("_target_", "_recursive_", "name", "policy")
 
@@ -145,21 +148,22 @@ def server(name: str = "server", policy: Any = None, **kwargs: Any) -> BatchedPo
 
     Called by Hydra for a :class:`ServerConfig` node; later calls with the
     same name and the same arguments return the same server (until it is
-    closed), so every node that refers to it shares one. The same name with
-    other arguments raises ``ValueError``.
+    closed, or until nothing holds it), so every node that refers to it
+    shares one. The same name with other arguments raises ``ValueError``.
     """
     settings = {"policy": _plain(policy), **{k: _plain(v) for k, v in kwargs.items()}}
     with _SERVERS_LOCK:
         known = _SERVERS.get(name)
-        if known is not None and not known[1].closed:
+        existing = None if known is None else known[1]()
+        if known is not None and existing is not None and not existing.closed:
             if known[0] != settings:
                 differ = {k: (known[0].get(k), v) for k, v in settings.items() if known[0].get(k) != v}
                 raise ValueError(f"server {name!r} already exists with other settings (built with, got): {differ}")
-            return known[1]
+            return existing
         if policy is None:
             raise ValueError(f"server {name!r}: the server node needs a policy node with a _target_ (got None)")
         built = build_server(kwargs, instantiate(policy, _convert_="all")).start()
-        _SERVERS[name] = (settings, built)
+        _SERVERS[name] = (settings, weakref.ref(built))
         return built
 
 
