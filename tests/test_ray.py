@@ -341,3 +341,34 @@ def test_serve_on_ray_refuses_bad_arguments(cluster):
         serve_on_ray(factory, gateway_depth=0)
     with pytest.raises(ValueError, match="max_batch_size"):
         serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=0)
+
+
+def test_a_gateway_link_given_a_reply_to_no_batch_fails_every_batch_in_flight():
+    import threading
+    from multiprocessing.connection import Listener
+
+    from torchrl_batchserve.ray import _Link, _recv, _send
+
+    listener = Listener(("127.0.0.1", 0), authkey=b"k" * 16)
+    checked = threading.Event()
+
+    def server_actor() -> None:  # reads two batches, answers a third that was never sent
+        with listener.accept() as conn:
+            seqs = [_recv(conn)[0], _recv(conn)[0]]
+            _send(conn, (max(seqs) + 1, None, TensorDict()))
+            checked.wait(30)  # the connection stays open: only the stray reply can end the link
+
+    thread = threading.Thread(target=server_actor)
+    thread.start()
+    link = _Link(listener.address, b"k" * 16)
+    futures = [link.submit(TensorDict(obs=torch.ones(4)), None) for _ in range(2)]
+    try:
+        for future in futures:
+            with pytest.raises(ServerBrokenError, match="the link to the server actor ended"):
+                future.result(10)
+        with pytest.raises(ServerBrokenError, match="the link to the server actor ended"):
+            link.submit(TensorDict(obs=torch.ones(4)), None)
+    finally:
+        checked.set()
+        thread.join(30)
+        listener.close()

@@ -523,24 +523,23 @@ class _Link:
         return future
 
     def _read(self) -> None:
-        while True:
-            try:
+        try:
+            while True:
                 seq, error, outputs = _recv(self._conn)
-            except Exception as err:  # the connection ended (EOF, reset) or a reply cannot be read
-                with contextlib.suppress(OSError):
-                    self._conn.close()
                 with self._lock:
-                    self.broken = ServerBrokenError(f"the link to the server actor ended ({err!r})")
-                    waiting, self._waiting = list(self._waiting.values()), {}
-                for future in waiting:
-                    future.set_exception(self.broken)
-                return
+                    future = self._waiting.pop(seq)  # a reply to no batch in flight is a broken link too
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(outputs)
+        except Exception as err:  # the connection ended (EOF, reset), or a reply cannot be read or matched
+            with contextlib.suppress(OSError):
+                self._conn.close()
             with self._lock:
-                future = self._waiting.pop(seq)
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(outputs)
+                self.broken = ServerBrokenError(f"the link to the server actor ended ({err!r})")
+                waiting, self._waiting = list(self._waiting.values()), {}
+            for future in waiting:  # nobody would read their replies
+                future.set_exception(self.broken)
 
 
 class _Forward(TensorDictModuleBase):
