@@ -10,7 +10,7 @@ from conftest import GatedPolicy, make_mlp
 from tensordict import TensorDict
 from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
 
-from torchrl_batchserve import BatchedPolicyServer, EvaluationCache, ServerClosedError
+from torchrl_batchserve import BadRequestError, BatchedPolicyServer, EvaluationCache, ServerClosedError
 
 
 def obs(seed: int, *batch: int) -> TensorDict:
@@ -146,6 +146,40 @@ def test_multi_row_non_tensor_outputs_come_back_from_the_cache_in_the_requests_s
     expected = [[f"row-{float(v):g}" for v in row] for row in x.sum(-1)]
     assert first.get("tag").tolist() == expected and again.get("tag").tolist() == expected
     assert torch.equal(again["score"], x.sum(-1))
+
+
+class ByContent(torch.nn.Module):
+    """Reads a nested TensorDict and a string per row: the sum of the board times the tag's length."""
+
+    def forward(self, board: TensorDict, tag) -> torch.Tensor:
+        tags = tag.tolist() if hasattr(tag, "tolist") else list(tag)
+        return board["a"].sum(-1) * torch.tensor([float(len(t)) for t in tags])
+
+
+def board(value: float, tag: str) -> TensorDict:
+    return TensorDict(board=TensorDict(a=torch.full((3,), value)), tag=tag)
+
+
+def test_nested_and_non_tensor_inputs_are_keyed_by_their_content():
+    policy = TensorDictModule(ByContent(), in_keys=["board", "tag"], out_keys=["y"])
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        singles = [remote(board(v, t))["y"].item() for v, t in [(1, "x"), (5, "x"), (1, "xy"), (1, "x")]]
+        assert singles == [3.0, 15.0, 6.0, 3.0]  # a board or a tag of other content is another row
+        assert server.statistics().cache_hits == 1
+        two = torch.stack([board(2, "x"), board(4, "yyy")])
+        assert remote(two)["y"].tolist() == [6.0, 36.0]  # computed: its rows are new
+        assert remote(board(4, "yyy"))["y"].item() == 36.0  # its second row, cached as a row of its own
+        swapped = torch.stack([board(4, "yyy"), board(2, "x")])
+        assert remote(swapped)["y"].tolist() == [36.0, 6.0]
+        assert server.statistics().cache_hits == 3
+
+
+def test_an_input_the_cache_cannot_key_is_refused_naming_key_fn():
+    policy = TensorDictModule(lambda x, fn: x, in_keys=["x", "fn"], out_keys=["y"])
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        with pytest.raises(BadRequestError, match="a function input does not pickle .*give EvaluationCache a key_fn"):
+            server.remote_policy()(TensorDict(x=torch.ones(2), fn=lambda: None))
 
 
 def test_key_fn_names_the_row(policy):

@@ -23,14 +23,16 @@ The server calls :meth:`admit` at submit and :meth:`complete` /
 from __future__ import annotations
 
 import hashlib
+import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDictBase, is_non_tensor
 
+from torchrl_batchserve.errors import BadRequestError
 from torchrl_batchserve.layout import flat_rows, shaped_rows
 from torchrl_batchserve.request import Request
 
@@ -44,18 +46,41 @@ def _clone(value: Any) -> Any:
 
 
 def digest(inputs: Sequence[Any]) -> bytes:
-    """A 128-bit digest of the dtype, shape and bytes of each input."""
+    """A 128-bit digest of the content of each input.
+
+    A tensor by its dtype, shape and bytes; a nested TensorDict by each
+    entry's name and content; non-tensor data by its pickled value (never its
+    ``repr``, which may leave the content out). Raises
+    :class:`BadRequestError` for a value that has no content to key by.
+    """
     h = hashlib.blake2b(digest_size=16)
     for value in inputs:
-        if isinstance(value, torch.Tensor):
-            t = value.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        else:
-            h.update(repr(value).encode())
+        _feed(h, value)
     return h.digest()
+
+
+def _feed(h: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        h.update(f"tensor{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif is_non_tensor(value):
+        _feed(h, value.tolist())
+    elif isinstance(value, TensorDictBase):
+        h.update(f"tensordict{tuple(value.batch_size)}".encode())
+        for key in sorted(value.keys(), key=repr):
+            h.update(f"{key!r}:".encode())
+            _feed(h, value.get(key))
+    else:
+        try:
+            h.update(b"data" + pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception as err:
+            raise BadRequestError(
+                f"the evaluation cache keys rows by content, and a {type(value).__name__} input does not pickle "
+                f"({err}); give EvaluationCache a key_fn"
+            ) from None
 
 
 class EvaluationCache:
@@ -112,7 +137,7 @@ class EvaluationCache:
             return [(mode, key)]
         if self.key_fn is not None:
             return [(mode, self.key_fn(row)) for row in request.td.reshape(-1).unbind(0)]
-        rows = [[v[i] if isinstance(v, torch.Tensor) else v for v in request.inputs] for i in range(request.rows)]
+        rows = [[_row(v, i) for v in request.inputs] for i in range(request.rows)]
         return [(mode, digest(row)) for row in rows]
 
     def admit(self, request: Request, version: int) -> tuple[str, Sequence[Any] | None]:
@@ -211,6 +236,13 @@ class EvaluationCache:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(capacity={self.capacity}, key_fn={self.key_fn!r}, size={len(self)})"
+
+
+def _row(value: Any, i: int) -> Any:
+    """Row ``i`` of a multi-row request's input (flattened to its rows); a value it does not index is every row's."""
+    if isinstance(value, torch.Tensor | TensorDictBase) or is_non_tensor(value):
+        return value[i]
+    return value
 
 
 def _stack(column: Sequence[Any], batch_shape: torch.Size) -> Any:
