@@ -9,6 +9,7 @@ import torch
 from conftest import GatedPolicy, make_mlp
 from tensordict import TensorDict
 from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
+from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve import BadRequestError, BatchedPolicyServer, EvaluationCache, ServerClosedError
 
@@ -220,10 +221,37 @@ def test_interaction_types_do_not_share_entries(policy):
         remote = server.remote_policy()
         with set_interaction_type(InteractionType.DETERMINISTIC):
             remote(obs(0))
-        with set_interaction_type(InteractionType.RANDOM):
+        with set_interaction_type(InteractionType.MODE):
+            remote(obs(0))
             remote(obs(0))
         stats = server.statistics()
-    assert (stats.cache_hits, stats.cache_misses) == (0, 2)
+    assert (stats.cache_hits, stats.cache_misses) == (1, 2)
+
+
+class Sampling(torch.nn.Module):
+    """Draws a fresh sample per row when the interaction type is RANDOM; deterministic otherwise."""
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        mean = observation[..., :3]
+        if interaction_type() is InteractionType.RANDOM:
+            return mean + torch.randn_like(mean)
+        return mean
+
+
+def test_a_sampling_request_is_never_answered_with_another_calls_sample():
+    gated = GatedPolicy(Sampling(), block_first=1)
+    with BatchedPolicyServer(gated, cache=EvaluationCache(), timeout=1e6) as server:
+        remote = server.remote_policy()
+        with set_interaction_type(InteractionType.RANDOM):
+            held = remote.submit(obs(1))
+            assert gated.entered.wait(10)
+            same = [remote.submit(obs(0)) for _ in range(2)]  # identical rows queued together: not coalesced
+            gated.gate.set()
+            samples = [held.result(10)] + [f.result(10) for f in same] + [remote(obs(0))]  # nor answered later
+        stats = server.statistics()
+    assert not torch.equal(samples[1]["logits"], samples[2]["logits"])
+    assert not torch.equal(samples[2]["logits"], samples[3]["logits"])
+    assert (stats.cache_hits, stats.cache_misses, stats.cache_coalesced, stats.requests) == (0, 0, 0, 4)
 
 
 def test_followers_of_a_cancelled_leader_still_get_their_row(net):

@@ -14,7 +14,9 @@ for it, tagged with the weight version that computed them:
   joins a leader only if no weights were staged since the leader was
   admitted, so a request never gets a version older than the newest one
   staged before it was submitted;
-* memory is bounded: least recently used entries go first.
+* memory is bounded: least recently used entries go first;
+* a request that samples (``InteractionType.RANDOM``) bypasses the cache:
+  it is never answered with, nor joined to, another call's sample.
 
 The server calls :meth:`admit` at submit and :meth:`complete` /
 :meth:`release` when a leader's batch ends; all three hold one lock.
@@ -199,6 +201,8 @@ class EvaluationCache:
 
     def promote(self, leader: Request) -> Request | None:
         """``leader`` was cancelled: its first follower leads the others instead."""
+        if leader.cache_keys is None:  # it bypassed the cache: nobody follows it
+            return None
         with self._lock:
             lead = self._leaders.get(leader.cache_keys[0])  # type: ignore[index]
             followers = self._detach(leader)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from tensordict import TensorDictBase
+from tensordict.nn import InteractionType
 from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.cache import HIT, JOINED, EvaluationCache
@@ -75,13 +76,16 @@ class Intake:
     def put(self, request: Request, may_serve: bool = False) -> Any:
         """Answer ``request`` from the cache, join it to an identical one in flight, or queue it.
 
+        A request that samples (``InteractionType.RANDOM``) is always queued:
+        an earlier sample is no answer to it.
+
         Raises at once (and the request is not accepted) when the queue
         refuses it: closed, broken, full, or too large to ever fit. With
         ``may_serve``: the batch the caller is to run itself, if the queue
         hands it one (:meth:`RequestQueue.put <torchrl_batchserve.queue.RequestQueue.put>`).
         """
         cache = self._cache
-        if cache is None:
+        if cache is None or request.interaction is InteractionType.RANDOM:  # a sample is drawn anew each call
             return self.queue.put(request, may_serve)
         outcome, values = cache.admit(request, self._weights.latest_version)
         if outcome == HIT:
