@@ -58,6 +58,17 @@ def test_write_copies_every_kind_of_tensor_as_its_values(slot):
             assert torch.equal(got, want.resolve_conj().resolve_neg()), kind
 
 
+def test_a_value_that_requires_grad_leaves_no_autograd_history_on_the_slot(slot):
+    x, z, n = values(4, (4,))
+    weight = torch.ones(3, requires_grad=True)
+    traced = x * weight  # part of a caller's graph
+    for given in ([traced, z, n], [x, z, n]):
+        slot.write(given, 4, (4,))
+        assert not any(t.requires_grad or t.grad_fn is not None for t in slot.tensors.values())
+        assert not any(v.requires_grad for v in slot.views(4, (4,)))
+    assert torch.equal(slot.read(4, (4,))[0], x)
+
+
 def test_write_and_read_a_part_of_the_rows(slot):
     given = values(2, (2,))
     slot.write(values(4, (4,)), 4, (4,))

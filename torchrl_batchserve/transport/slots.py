@@ -131,9 +131,15 @@ class Slot:
         return views
 
     def write(self, values: Sequence[torch.Tensor], rows: int, batch_shape: Sequence[int]) -> None:
-        """Copy ``values`` (that :meth:`fits` accepted) into the first ``rows`` rows."""
-        for view, value in zip(self.views(rows, batch_shape), values):
-            view.copy_(value)
+        """Copy ``values`` (that :meth:`fits` accepted) into the first ``rows`` rows.
+
+        Values only: a caller's tensor that requires grad leaves no autograd
+        history on the slot (it would hold the caller's graph, and grow with
+        every later write).
+        """
+        with torch.no_grad():
+            for view, value in zip(self.views(rows, batch_shape), values):
+                view.copy_(value)
 
     def read(self, rows: int, batch_shape: Sequence[int]) -> list[torch.Tensor]:
         """Copies of the first ``rows`` rows, shaped ``(*batch_shape, *feature)``."""
