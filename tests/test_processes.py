@@ -695,6 +695,23 @@ def test_threads_tasks_and_futures_of_one_worker_share_its_remote_policy_and_bat
             torch.testing.assert_close(torch.tensor(logits), net(torch.tensor(obs)))
 
 
+def test_a_request_answered_before_the_hub_offers_a_lane_still_earns_the_client_one():
+    from torchrl_batchserve import EvaluationCache
+
+    net = pw.make_net()
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        seen = torch.ones(8)
+        server.remote_policy()(TensorDict(observation=seen.clone()))  # cached: a worker's copy of it is a hit
+        client = pickle.loads(pickle.dumps(server.remote_policy()))
+        client(TensorDict(observation=seen.clone()))  # pickled, and answered at once, inside the hub's intake
+        fresh = torch.zeros(8)
+        out = client(TensorDict(observation=fresh.clone()))  # through the lane that first request earned
+        assert server._endpoint.lazy_hub.hub.arrived == {"lane": 1, "socket": 1}
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], net(fresh))
+
+
 class _Holdable(torch.nn.Module):
     """Serves at once until ``hold`` is set; then each forward waits for ``release``."""
 
