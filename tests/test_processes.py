@@ -712,6 +712,22 @@ def test_a_request_answered_before_the_hub_offers_a_lane_still_earns_the_client_
         torch.testing.assert_close(out["logits"], net(fresh))
 
 
+def test_a_device_input_from_a_worker_with_lanes_travels_pickled_keeping_its_device():
+    from torchrl_batchserve import BadRequestError
+
+    policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        client = pickle.loads(pickle.dumps(server.remote_policy()))
+        for _ in range(2):
+            client(TensorDict(observation=torch.ones(8)))  # the second through the lane the first earned
+        # A lane would have copied it to the CPU and served it there; it reaches the server on its device,
+        # whose check names it, as an in-process caller's would be.
+        with pytest.raises(BadRequestError, match="key 'observation': expected device cpu, got meta"):
+            client(TensorDict(observation=torch.ones(8, device="meta")))
+        assert server._endpoint.lazy_hub.hub.arrived == {"lane": 1, "socket": 1}  # (refused: not counted)
+        assert client(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)
+
+
 class _Holdable(torch.nn.Module):
     """Serves at once until ``hold`` is set; then each forward waits for ``release``."""
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
+import torch
 from tensordict import TensorDictBase
 from tensordict.nn.probabilistic import interaction_type
 
@@ -207,8 +208,12 @@ class ProcessClient:
         return conn, seq
 
     def _free_lane(self, inputs: list[Any], rows: int, batch_shape: tuple[int, ...]) -> Lane | None:
-        """The smallest free lane that ``inputs`` fit (the caller holds the lock)."""
-        if len(batch_shape) > MAX_BATCH_DIMS:
+        """The smallest free lane that ``inputs`` fit (the caller holds the lock).
+
+        None for device inputs: in a lane they would reach the server on the
+        CPU, and their results come back there; pickled, they keep their device.
+        """
+        if len(batch_shape) > MAX_BATCH_DIMS or any(_on_device(v) for v in inputs):
             return None
         best = None
         for lane in self._lanes:
@@ -417,6 +422,10 @@ def _set_result(waiter: tuple[Any, Any, TensorDictBase], reply: tuple[Any, Any, 
             future.set_result(td)
     except InvalidStateError:
         pass  # cancelled a moment ago: nobody waits
+
+
+def _on_device(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
 def _close_fds(fds: tuple[int, ...]) -> None:

@@ -20,10 +20,10 @@ request.
 
 The socket carries the rest: the client's bells and headers once, at the
 handshake; a lane when the hub offers one; requests that fit no free lane
-(their inputs pickled: the first of a client, non-tensor or varying inputs,
-more batch dims than a header holds); a reply that cannot go in its lane
-(an error, non-tensor outputs, a lane's first outputs, whose slot comes with
-it); and ``closed``. It is also the liveness signal: a worker that dies
+(their inputs pickled: the first of a client, non-tensor, device or varying
+inputs, more batch dims than a header holds); a reply that cannot go in its
+lane (an error, non-tensor outputs, a lane's first outputs, whose slot comes
+with it); and ``closed``. It is also the liveness signal: a worker that dies
 closes it and the hub drops the worker (its lanes' memory goes with the last
 mapping); a server that dies or closes ends every client's wait.
 
@@ -85,14 +85,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from tensordict import TensorDict
 from tensordict.nn import InteractionType
 
 from torchrl_batchserve.errors import BadRequestError, portable
 from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.request import Request
-from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot
+from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot, storable
 from torchrl_batchserve.transport.wire import Wire, frame
 
 __all__ = ["HANDSHAKE_TIMEOUT", "ProcessHub", "ProcessRequest"]
@@ -157,14 +156,14 @@ class _Client:
         values, keys, rows, shape = list(request.values), list(request.keys), request.rows, request.batch_shape
         slot = lane.outputs
         if slot is not None and slot.fits(values, rows, shape):
-            slot.write(values, rows, shape)  # copy_ brings device values over
+            slot.write(values, rows, shape)  # device outputs too: a worker gets its results on the CPU
             try:
                 if self.alive:
                     os.eventfd_write(self.replies_bell, 1 << lane.index)
             except OSError:  # a client that rang a lane twice overflowed its bell: it gets nothing more
                 self.alive = False
             return
-        if not all(isinstance(v, torch.Tensor) and v.layout is torch.strided for v in values):
+        if not all(storable(v) for v in values):
             self._send(("done", request.seq, None, values, keys, None))  # non-tensor outputs: pickled
             return
         # The lane's first outputs (or of a new shape): a new output slot comes with this reply.
@@ -459,7 +458,7 @@ class ProcessHub:
         inputs, shape = request.inputs, request.batch_shape
         if client.varying or len(shape) > MAX_BATCH_DIMS or len(client.lanes) >= MAX_LANES:
             return
-        if not all(isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_nested for v in inputs):
+        if not all(storable(v) and v.device.type == "cpu" for v in inputs):
             return  # non-tensor or device inputs always travel pickled
         dims = 1 if shape else 0
         specs = [(k, v.dtype, tuple(v.shape[dims:])) for k, v in zip(self._keys, inputs)]

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict.nn import InteractionType
 
-__all__ = ["MAX_BATCH_DIMS", "MAX_LANES", "Headers", "Lane", "Slot", "SlotField"]
+__all__ = ["MAX_BATCH_DIMS", "MAX_LANES", "Headers", "Lane", "Slot", "SlotField", "storable"]
 
 _ALIGN = 64
 MAX_LANES = 63
@@ -41,6 +41,15 @@ def _memfd(name: str, size: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def storable(value: Any) -> bool:
+    """Whether ``value`` can be written into a slot: a dense tensor (a nested one has no shape to compare).
+
+    A device tensor is copied to the slot's host memory: it comes out on the
+    CPU.
+    """
+    return isinstance(value, torch.Tensor) and value.layout is torch.strided and not value.is_nested
 
 
 class SlotField(NamedTuple):
@@ -110,8 +119,8 @@ class Slot:
         if rows > self.capacity or len(values) != len(self.fields):
             return False
         for f, v in zip(self.fields, values):
-            if not isinstance(v, torch.Tensor) or v.layout is not torch.strided or v.is_nested:
-                return False  # (a nested tensor has no shape to compare)
+            if not storable(v):
+                return False
             if v.dtype is not f.dtype or v.shape != (*batch_shape, *f.feature):
                 return False
         return True
