@@ -430,30 +430,28 @@ class ProcessHub:
             mode = None if interaction is None else _MODES[interaction]
             td = pickle.loads(payload)
             request = self._intake.request(ProcessRequest, td, client.caller, mode, client=client, seq=seq)
-            in_flight = self._queue(client, request)
+            self._offer_lane(client, request)  # before it can be answered: the client has the lane by then
+            self._queue(client, request)
             self.arrived["socket"] += 1
-            self._offer_lane(client, request, in_flight)
         except BaseException as err:  # whatever the message did, it fails this request only
             client.send(("done", seq, portable(err), None, None, None))
 
-    def _queue(self, client: _Client, request: ProcessRequest) -> int:
-        """Count ``request`` in flight until its reply, and put it; the client's requests in flight with it."""
+    def _queue(self, client: _Client, request: ProcessRequest) -> None:
+        """Count ``request`` in flight until its reply, and put it."""
         with client.send_lock:
             client.in_flight += 1
-            in_flight = client.in_flight
         try:
             self._intake.put(request)
         except BaseException:
             with client.send_lock:
                 client.in_flight -= 1
             raise
-        return in_flight
 
-    def _offer_lane(self, client: _Client, request: Request, in_flight: int) -> None:
+    def _offer_lane(self, client: _Client, request: Request) -> None:
         """A request came pickled: give the client a lane for the next ones, if it has fewer than it uses.
 
-        ``in_flight`` counts the client's requests as this one was queued (it
-        may be answered already: the need it showed stays).
+        Called before ``request`` is queued, so that the lane reaches the
+        client before any reply can (both go down its socket, in order).
         """
         inputs, shape = request.inputs, request.batch_shape
         if client.varying or len(shape) > MAX_BATCH_DIMS or len(client.lanes) >= MAX_LANES:
@@ -466,7 +464,7 @@ class ProcessHub:
         if lanes and lanes[0].inputs.specs() != specs:
             client.varying = True  # variable-length inputs: one slot per length would cost more than it saves
             return
-        if sum(lane.inputs.capacity >= request.rows for lane in lanes) >= in_flight:
+        if sum(lane.inputs.capacity >= request.rows for lane in lanes) >= client.in_flight + 1:  # with this one
             return  # as many lanes as requests in flight: it came pickled for a reason of its own
         largest = max((lane.inputs.capacity for lane in lanes), default=0)
         capacity = largest if request.rows <= largest else max(request.rows, 2 * largest)
