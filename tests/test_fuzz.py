@@ -26,6 +26,7 @@ GOOD = [
     "more_than_a_batch",
     "extra_key",
     "multi_dim",
+    "requires_grad",
 ]
 BAD = [
     "not_a_tensordict",
@@ -36,6 +37,8 @@ BAD = [
     "sparse",
     "nested_tensor",
     "non_tensor",
+    "locked",
+    "meta_device",
 ]
 
 
@@ -60,6 +63,8 @@ def make_request(kind: str, rows: int) -> object:
         return TensorDict(observation=x, other=torch.zeros(rows, 2), batch_size=[rows])
     if kind == "multi_dim":
         return TensorDict(observation=torch.randn(2, rows, FEATURES), batch_size=[2, rows])
+    if kind == "requires_grad":
+        return TensorDict(observation=x * torch.ones(FEATURES, requires_grad=True), batch_size=[rows])
     if kind == "not_a_tensordict":
         return {"observation": x}
     if kind == "dtype":
@@ -76,6 +81,10 @@ def make_request(kind: str, rows: int) -> object:
         return TensorDict(observation=torch.nested.nested_tensor([x[0]]), batch_size=[])
     if kind == "non_tensor":
         return TensorDict(observation="eight floats")
+    if kind == "locked":
+        return TensorDict(observation=x, batch_size=[rows]).lock_()
+    if kind == "meta_device":
+        return TensorDict(observation=x.to("meta"), batch_size=[rows])
     raise ValueError(kind)
 
 
