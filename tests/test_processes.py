@@ -604,6 +604,25 @@ def test_a_push_that_loses_to_a_local_update_is_dropped_and_the_receiver_takes_t
         torch.testing.assert_close(out["logits"], pw.make_net(11)(torch.ones(8)))
 
 
+def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps():
+    from torchrl_batchserve import WeightBroadcaster
+
+    port = free_port()
+    policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server, ThreadPoolExecutor(1) as pool:
+        trainer = pool.submit(WeightBroadcaster, "127.0.0.1", port, 2, timeout=10)
+        receiver = server.receive_weights("127.0.0.1", port, 1, 2, timeout=10)
+        trainer = trainer.result(timeout=60)
+        assert trainer.push(pw.make_net(5)) == 1  # its names lack the wrapper's "module."
+        remote = server.remote_policy()
+        wait_for(lambda: int(remote(TensorDict(observation=torch.ones(8)))["policy_version"]) == 1, "version 1")
+        out = remote(TensorDict(observation=torch.ones(8)))
+        assert receiver.alive and receiver.error is None
+        trainer.close()
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], pw.make_net(5)(torch.ones(8)))
+
+
 def test_a_dead_trainer_leaves_the_server_serving_its_last_version():
     port = free_port()
     pushed = SPAWN.Event()

@@ -601,6 +601,29 @@ def test_update_weights_takes_the_version_given_refuses_one_that_does_not_increa
         assert int(remote(obs())["policy_version"]) == 11
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain module", "TensorDictModule(net)"])
+def test_the_weights_of_the_module_a_tensordictmodule_wraps_are_taken_as_its_own(wrapped):
+    net = make_mlp()
+    keys = {"in_keys": ["observation"], "out_keys": ["logits"]}
+    server = BatchedPolicyServer(TensorDictModule(net, **keys)) if wrapped else BatchedPolicyServer(net, **keys)
+    with server:
+        remote = server.remote_policy()
+        trained = make_mlp(seed=3)
+        assert server.update_weights(trained) == 1  # the module itself, not the wrapper the server serves
+        assert server.update_weights(trained.state_dict()) == 2
+        out = remote(obs())
+        with torch.no_grad():
+            torch.testing.assert_close(out["logits"], trained(out["observation"]))
+        other = trained.state_dict()
+        other["0.weight"] = other["0.weight"].double()
+        with pytest.raises(
+            WeightSyncError, match=r"weight \('module', '0', 'weight'\): expected .*dtype torch.float32"
+        ):
+            server.update_weights(other)  # nested, then checked like any push
+        with pytest.raises(WeightSyncError, match="weights do not match the served policy"):
+            server.update_weights(torch.nn.Linear(8, 3))
+
+
 def test_constructor_rejects_policies_without_keys():
     with pytest.raises(TypeError, match="plain nn.Module: pass in_keys= and out_keys="):
         BatchedPolicyServer(torch.nn.Linear(2, 2))

@@ -202,7 +202,7 @@ class WeightReceiver:
         meta_bytes = torch.zeros(size, dtype=torch.uint8)
         _wait(self._group.broadcast(meta_bytes, 0))
         meta = pickle.loads(meta_bytes.numpy().tobytes())
-        version, layout = meta["version"], meta["layout"]
+        version, layout = meta["version"], self._served_names(meta["layout"])
         problem = self._check(version, layout)
         if problem is not None:
             self._store.set(f"error/{version}/{self.rank}", problem)
@@ -224,10 +224,19 @@ class WeightReceiver:
             _log.warning("weight receiver (rank %d) dropped version %d: %s", self.rank, version, err)
         return True  # receive the next push either way
 
+    def _served_names(self, layout: list) -> list:
+        """The pushed layout named as served: a push of the module a ``TensorDictModule`` wraps is nested under it."""
+        prefix, served = self._shadow.wrapper, {n for n, _, _ in _layout(self._shadow.served)}
+        if prefix is not None and {n for n, _, _ in layout} != served:
+            nested = [(f"{prefix}.{n}", shape, dtype) for n, shape, dtype in layout]
+            if {n for n, _, _ in nested} == served:
+                return nested
+        return layout
+
     def _check(self, version: int, layout: list) -> str | None:
-        served = _layout(self._shadow.served)
-        if served != layout:
-            mine, theirs = {n: (s, d) for n, s, d in served}, {n: (s, d) for n, s, d in layout}
+        mine = {n: (s, d) for n, s, d in _layout(self._shadow.served)}
+        theirs = {n: (s, d) for n, s, d in layout}
+        if mine != theirs:
             diff = [
                 f"{n}: served {mine.get(n)}, pushed {theirs.get(n)}"
                 for n in sorted(set(mine) | set(theirs))

@@ -200,7 +200,7 @@ def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
         )
     tensors = as_weights(weights)
     for server in servers:
-        server._layout.check(tensors)
+        tensors = server._layout.fit(tensors)
     stored = ray.put(tensors.detach().to("cpu"))
     try:
         current = max(_ask(s.actor, "version") for s in servers)

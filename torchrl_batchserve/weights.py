@@ -90,6 +90,29 @@ class ShadowWeights:
         """The newest staged snapshot."""
         return self._latest
 
+    @property
+    def wrapper(self) -> str | None:
+        """The name of the one module the served policy wraps (``TensorDictModule(net)``: ``"module"``), if so."""
+        names = list(self._layout.keys())
+        if len(names) == 1 and isinstance(self._layout.get(names[0]), TensorDictBase):
+            return names[0]
+        return None
+
+    def fit(self, weights: TensorDictBase) -> TensorDictBase:
+        """``weights`` in the served layout's names; :class:`WeightSyncError` when they do not match it.
+
+        The weights of the module a ``TensorDictModule`` wraps fit too (a
+        server of ``TensorDictModule(net, ...)``, or of a plain ``net``, takes
+        ``update_weights(net)``): they are nested under its name.
+        """
+        served = set(self._layout.keys(True, True))
+        given = set(weights.keys(True, True))
+        prefix = self.wrapper
+        if served != given and prefix is not None and {_nested(prefix, k) for k in given} == served:
+            weights = TensorDict({prefix: weights}, batch_size=[])
+        self.check(weights)
+        return weights
+
     def check(self, weights: TensorDictBase) -> None:
         """Raise :class:`WeightSyncError` unless ``weights`` matches the served layout."""
         served = set(self._layout.keys(True, True))
@@ -114,8 +137,7 @@ class ShadowWeights:
 
     def stage(self, weights: Any, version: int | None = None) -> int:
         """Check and copy ``weights``; return the version they serve as from every replica's next batch."""
-        weights = as_weights(weights)
-        self.check(weights)
+        weights = self.fit(as_weights(weights))
         with torch.no_grad():
             tensors = self._layout.apply(lambda ref, w: w.detach().to(self._device or ref.device, copy=True), weights)
         ready = None
@@ -128,6 +150,10 @@ class ShadowWeights:
                 raise WeightSyncError(f"version must increase: staged {self._latest.version}, got {version}")
             self._latest = Snapshot(version, tensors, ready)
         return version
+
+
+def _nested(prefix: str, key: Any) -> tuple[str, ...]:
+    return (prefix, *((key,) if isinstance(key, str) else key))
 
 
 def _record_event(tensors: TensorDictBase) -> Any:
