@@ -452,6 +452,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def weight_group(server: BatchedPolicyServer) -> tuple:
+    """A trainer's WeightBroadcaster (in a thread of this process) and ``server``'s receiver, joined."""
+    from torchrl_batchserve import WeightBroadcaster
+
+    port = free_port()
+    with ThreadPoolExecutor(1) as pool:
+        trainer = pool.submit(WeightBroadcaster, "127.0.0.1", port, 2, timeout=10)
+        receiver = server.receive_weights("127.0.0.1", port, 1, 2, timeout=10)
+        return trainer.result(timeout=60), receiver
+
+
 def test_trainer_pushes_versions_to_two_server_processes_over_a_dedicated_group():
     import torch.distributed as dist
 
@@ -576,14 +587,9 @@ def test_scheme_arguments_and_clean_import():
 
 def test_a_push_that_loses_to_a_local_update_is_dropped_and_the_receiver_takes_the_next():
     # update_weights() in the server's process may stage a newer version while a pushed one is in transfer.
-    from torchrl_batchserve import WeightBroadcaster
-
-    port = free_port()
     policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
-    with BatchedPolicyServer(policy) as server, ThreadPoolExecutor(1) as pool:
-        trainer = pool.submit(WeightBroadcaster, "127.0.0.1", port, 2, timeout=10)
-        receiver = server.receive_weights("127.0.0.1", port, 1, 2, timeout=10)
-        trainer = trainer.result(timeout=60)
+    with BatchedPolicyServer(policy) as server:
+        trainer, receiver = weight_group(server)
         stage = server._weights.stage
 
         def local_push_wins(weights, version=None):  # the local push lands between the check and the stage
@@ -605,14 +611,9 @@ def test_a_push_that_loses_to_a_local_update_is_dropped_and_the_receiver_takes_t
 
 
 def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps():
-    from torchrl_batchserve import WeightBroadcaster
-
-    port = free_port()
     policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
-    with BatchedPolicyServer(policy) as server, ThreadPoolExecutor(1) as pool:
-        trainer = pool.submit(WeightBroadcaster, "127.0.0.1", port, 2, timeout=10)
-        receiver = server.receive_weights("127.0.0.1", port, 1, 2, timeout=10)
-        trainer = trainer.result(timeout=60)
+    with BatchedPolicyServer(policy) as server:
+        trainer, receiver = weight_group(server)
         assert trainer.push(pw.make_net(5)) == 1  # its names lack the wrapper's "module."
         remote = server.remote_policy()
         wait_for(lambda: int(remote(TensorDict(observation=torch.ones(8)))["policy_version"]) == 1, "version 1")
