@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -236,6 +237,8 @@ def test_remote_policy_is_a_module_without_parameters(policy):
         assert list(remote.parameters()) == []
         logits = remote(observation=torch.randn(8))  # keyword call: returns the out_keys' tensors
         assert isinstance(logits, torch.Tensor) and logits.shape == (3,)
+        twin = copy.deepcopy(remote)  # a copy in this process is served in-process, as the original is
+        assert twin(obs())["logits"].shape == (3,) and server._endpoint.lazy_hub.hub is None
 
 
 # -- the batching rule through the server ------------------------------------------------

@@ -30,7 +30,8 @@ class RemotePolicy(TensorDictModuleBase):
     eventfds and a Unix socket (:mod:`torchrl_batchserve.transport.hub`), so one
     policy can be handed to any number of worker processes, e.g. as the
     policy of ``MultiSyncCollector``. A copy inherited by ``fork`` without
-    pickling does the same.
+    pickling does the same; a ``copy.deepcopy`` in the server's process is
+    served in-process, as the original is.
 
     Examples:
         >>> import asyncio, torch
