@@ -139,7 +139,7 @@ class EvaluationCache:
             return [(mode, key)]
         if self.key_fn is not None:
             return [(mode, self.key_fn(row)) for row in request.td.reshape(-1).unbind(0)]
-        rows = [[_row(v, i) for v in request.inputs] for i in range(request.rows)]
+        rows = [[v[i] for v in request.inputs] for i in range(request.rows)]  # tensors, TensorDicts, non-tensor
         return [(mode, digest(row)) for row in rows]
 
     def admit(self, request: Request, version: int) -> tuple[str, Sequence[Any] | None]:
@@ -240,13 +240,6 @@ class EvaluationCache:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(capacity={self.capacity}, key_fn={self.key_fn!r}, size={len(self)})"
-
-
-def _row(value: Any, i: int) -> Any:
-    """Row ``i`` of a multi-row request's input (flattened to its rows); a value it does not index is every row's."""
-    if isinstance(value, torch.Tensor | TensorDictBase) or is_non_tensor(value):
-        return value[i]
-    return value
 
 
 def _stack(column: Sequence[Any], batch_shape: torch.Size) -> Any:

@@ -225,13 +225,9 @@ class WeightReceiver:
         return True  # receive the next push either way
 
     def _served_names(self, layout: list) -> list:
-        """The pushed layout named as served: a push of the module a ``TensorDictModule`` wraps is nested under it."""
-        prefix, served = self._shadow.wrapper, {n for n, _, _ in _layout(self._shadow.served)}
-        if prefix is not None and {n for n, _, _ in layout} != served:
-            nested = [(f"{prefix}.{n}", shape, dtype) for n, shape, dtype in layout]
-            if {n for n, _, _ in nested} == served:
-                return nested
-        return layout
+        """The pushed layout named as served (:meth:`ShadowWeights.wrapper_of`)."""
+        prefix = self._shadow.wrapper_of({tuple(n.split(".")) for n, _, _ in layout})
+        return layout if prefix is None else [(f"{prefix}.{n}", shape, dtype) for n, shape, dtype in layout]
 
     def _check(self, version: int, layout: list) -> str | None:
         mine = {n: (s, d) for n, s, d in _layout(self._shadow.served)}

@@ -90,25 +90,24 @@ class ShadowWeights:
         """The newest staged snapshot."""
         return self._latest
 
-    @property
-    def wrapper(self) -> str | None:
-        """The name of the one module the served policy wraps (``TensorDictModule(net)``: ``"module"``), if so."""
-        names = list(self._layout.keys())
-        if len(names) == 1 and isinstance(self._layout.get(names[0]), TensorDictBase):
-            return names[0]
-        return None
+    def wrapper_of(self, names: set[tuple[str, ...]]) -> str | None:
+        """The name to nest weights of these ``names`` under, if they are those of the module the policy wraps.
+
+        A server of ``TensorDictModule(net, ...)``, or of a plain ``net`` it
+        wraps, serves ``net``'s weights under ``"module"``; a push of ``net``
+        itself (``update_weights(net)``, its state_dict, a weight group's
+        push of it) names them without it. ``None``: serve them as named.
+        """
+        served = {_path(k) for k in self._layout.keys(True, True)}
+        top = list(self._layout.keys())
+        if names == served or len(top) != 1 or not isinstance(self._layout.get(top[0]), TensorDictBase):
+            return None
+        return top[0] if {(top[0], *n) for n in names} == served else None
 
     def fit(self, weights: TensorDictBase) -> TensorDictBase:
-        """``weights`` in the served layout's names; :class:`WeightSyncError` when they do not match it.
-
-        The weights of the module a ``TensorDictModule`` wraps fit too (a
-        server of ``TensorDictModule(net, ...)``, or of a plain ``net``, takes
-        ``update_weights(net)``): they are nested under its name.
-        """
-        served = set(self._layout.keys(True, True))
-        given = set(weights.keys(True, True))
-        prefix = self.wrapper
-        if served != given and prefix is not None and {_nested(prefix, k) for k in given} == served:
+        """``weights`` named as served (:meth:`wrapper_of`); :class:`WeightSyncError` if they do not match."""
+        prefix = self.wrapper_of({_path(k) for k in weights.keys(True, True)})
+        if prefix is not None:
             weights = TensorDict({prefix: weights}, batch_size=[])
         self.check(weights)
         return weights
@@ -152,8 +151,8 @@ class ShadowWeights:
         return version
 
 
-def _nested(prefix: str, key: Any) -> tuple[str, ...]:
-    return (prefix, *((key,) if isinstance(key, str) else key))
+def _path(key: Any) -> tuple[str, ...]:
+    return (key,) if isinstance(key, str) else tuple(key)
 
 
 def _record_event(tensors: TensorDictBase) -> Any:

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
-import torch
 from tensordict import TensorDictBase
 from tensordict.nn.probabilistic import interaction_type
 
@@ -40,7 +39,7 @@ from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError
 from torchrl_batchserve.layout import request_entries
 from torchrl_batchserve.request import write_outputs
 from torchrl_batchserve.transport.hub import ADMITTED, HANDSHAKE_TIMEOUT, REFUSED_BROKEN
-from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Lane, Slot
+from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Lane, Slot, on_host
 from torchrl_batchserve.transport.wire import Wire
 
 __all__ = ["ProcessClient"]
@@ -213,7 +212,7 @@ class ProcessClient:
         None for device inputs: in a lane they would reach the server on the
         CPU, and their results come back there; pickled, they keep their device.
         """
-        if len(batch_shape) > MAX_BATCH_DIMS or any(_on_device(v) for v in inputs):
+        if len(batch_shape) > MAX_BATCH_DIMS or not all(on_host(v) for v in inputs):
             return None
         best = None
         for lane in self._lanes:
@@ -422,10 +421,6 @@ def _set_result(waiter: tuple[Any, Any, TensorDictBase], reply: tuple[Any, Any, 
             future.set_result(td)
     except InvalidStateError:
         pass  # cancelled a moment ago: nobody waits
-
-
-def _on_device(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
 def _close_fds(fds: tuple[int, ...]) -> None:

@@ -91,7 +91,7 @@ from tensordict.nn import InteractionType
 from torchrl_batchserve.errors import BadRequestError, portable
 from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.request import Request
-from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot, storable
+from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot, on_host, storable
 from torchrl_batchserve.transport.wire import Wire, frame
 
 __all__ = ["HANDSHAKE_TIMEOUT", "ProcessHub", "ProcessRequest"]
@@ -456,7 +456,7 @@ class ProcessHub:
         inputs, shape = request.inputs, request.batch_shape
         if client.varying or len(shape) > MAX_BATCH_DIMS or len(client.lanes) >= MAX_LANES:
             return
-        if not all(storable(v) and v.device.type == "cpu" for v in inputs):
+        if not all(storable(v) and on_host(v) for v in inputs):
             return  # non-tensor or device inputs always travel pickled
         dims = 1 if shape else 0
         specs = [(k, v.dtype, tuple(v.shape[dims:])) for k, v in zip(self._keys, inputs)]

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict.nn import InteractionType
 
-__all__ = ["MAX_BATCH_DIMS", "MAX_LANES", "Headers", "Lane", "Slot", "SlotField", "storable"]
+__all__ = ["MAX_BATCH_DIMS", "MAX_LANES", "Headers", "Lane", "Slot", "SlotField", "on_host", "storable"]
 
 _ALIGN = 64
 MAX_LANES = 63
@@ -50,6 +50,11 @@ def storable(value: Any) -> bool:
     CPU.
     """
     return isinstance(value, torch.Tensor) and value.layout is torch.strided and not value.is_nested
+
+
+def on_host(value: Any) -> bool:
+    """Whether ``value`` is not a device tensor: a worker's device inputs travel pickled, keeping their device."""
+    return not isinstance(value, torch.Tensor) or value.device.type == "cpu"
 
 
 class SlotField(NamedTuple):
