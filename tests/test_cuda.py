@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -58,6 +60,47 @@ def test_weight_updates_reach_a_cuda_policy_in_place():
         assert next(server.policy.parameters()).data_ptr() == storage  # in place: CUDA graphs keep their storage
     assert int(td["policy_version"]) == 1
     torch.testing.assert_close(td["logits"], reference(make_mlp(seed=3), torch.ones(8)), atol=1e-5, rtol=1e-4)
+
+
+class _Held(torch.nn.Module):
+    """An MLP whose forward, while ``hold`` is set, tells ``entered`` and waits for ``go`` (events are shared
+    with the served copy: they cannot be deep-copied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_mlp()
+        self.hold, self.entered, self.go = threading.Event(), threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hold.is_set():
+            self.entered.set()
+            assert self.go.wait(30)
+        return self.net(x)
+
+
+def test_a_result_left_on_cuda_keeps_its_memory_while_the_caller_reads_it_after_a_later_batch_began():
+    # The caller reads its result on the default stream behind slow work and frees it while the next batch
+    # runs on the replica's stream: the caching allocator must not give that batch the result's memory.
+    held = _Held()
+    policy = TensorDictModule(held, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, device="cuda", output_device="cuda", max_batch_size=1, timeout=0) as server:
+        remote = server.remote_policy()
+        x = torch.randn(8, device="cuda")
+        first = remote(TensorDict(observation=x))
+        expected = reference(make_mlp(), x)
+        held.hold.set()
+        with ThreadPoolExecutor(1) as pool:
+            later = pool.submit(remote, TensorDict(observation=torch.randn(8, device="cuda")))
+            assert held.entered.wait(30)  # the next batch runs on the replica's stream, past its wait for ours
+            busy = torch.randn(2048, 2048, device="cuda")
+            for _ in range(50):  # keep the default stream busy: the read below runs after all this
+                busy = torch.tanh(busy @ busy)
+            read = first["logits"] * 1
+            del first  # freed while the read is still queued
+            held.go.set()
+            later.result(30)
+        torch.cuda.current_stream().synchronize()
+    torch.testing.assert_close(read.cpu(), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_padded_batches_on_cuda():

@@ -11,7 +11,9 @@ replica's own stream, ordered with events: the stream waits for the device's
 default stream (where actors made their tensors) and for the snapshot's
 event before it reads them, and the serve loop waits for the stream alone
 (never ``torch.cuda.synchronize()``, which would also wait for a trainer's
-kernels on the same GPU) before it hands results out.
+kernels on the same GPU) before it hands results out. Results left on the
+device are marked as used on the callers' stream (``record_stream``): a
+later batch cannot reuse their memory while a caller's kernels read them.
 """
 
 from __future__ import annotations
@@ -151,8 +153,15 @@ class Replica:
         with self.on_stream():
             if not _on_device(output, keys, device):
                 output = output.select(*keys).to(device, non_blocking=True)
-            if self._stream is not None:
-                self._stream.synchronize()  # this stream only: its forward and copies are done
+            if self._stream is None:
+                return output
+            self._stream.synchronize()  # this stream only: its forward and copies are done
+        # Results made on this stream are read on the callers' (the current stream here: the default one, or
+        # a lone caller's own). Marked so, the caching allocator gives none of their memory to a later batch
+        # of this stream until the kernels queued on the callers' stream before they were freed have run.
+        for value in _leaves(output, keys):
+            if value.is_cuda:
+                value.record_stream(torch.cuda.current_stream(value.device))
         return output
 
 
