@@ -254,6 +254,49 @@ def test_a_sampling_request_is_never_answered_with_another_calls_sample():
     assert (stats.cache_hits, stats.cache_misses, stats.cache_coalesced, stats.requests) == (0, 0, 0, 4)
 
 
+def _probabilistic_sampler() -> torch.nn.Module:
+    from tensordict.nn import NormalParamExtractor, ProbabilisticTensorDictModule, ProbabilisticTensorDictSequential
+
+    net = TensorDictModule(
+        torch.nn.Sequential(torch.nn.Linear(8, 6), NormalParamExtractor()),
+        in_keys=["observation"],
+        out_keys=["loc", "scale"],
+    )
+    draw = ProbabilisticTensorDictModule(
+        in_keys=["loc", "scale"],
+        out_keys=["logits"],
+        distribution_class=torch.distributions.Normal,
+        default_interaction_type=InteractionType.RANDOM,
+    )
+    return ProbabilisticTensorDictSequential(net, draw)
+
+
+def _exploring() -> torch.nn.Module:
+    from tensordict.nn import TensorDictSequential
+    from torchrl.data import Categorical
+    from torchrl.modules import EGreedyModule
+
+    greedy = TensorDictModule(lambda x: x[..., :1].long().abs(), in_keys=["observation"], out_keys=["logits"])
+    return TensorDictSequential(greedy, EGreedyModule(Categorical(10**6), eps_init=1.0, action_key="logits"))
+
+
+@pytest.mark.parametrize("make", [_probabilistic_sampler, _exploring], ids=["default-random", "egreedy"])
+def test_a_policy_that_samples_when_no_interaction_type_is_set_is_not_cached_then(make):
+    with BatchedPolicyServer(make(), cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        assert interaction_type() is None
+        first, again = remote(obs(0)), remote(obs(0))
+        unset = server.statistics()
+        with set_interaction_type(InteractionType.DETERMINISTIC):  # told not to sample: cached
+            remote(obs(0))
+            remote(obs(0))
+        told = server.statistics(since=unset)
+    assert (unset.cache_hits, unset.cache_misses, unset.requests) == (0, 0, 2)
+    if make is _probabilistic_sampler:
+        assert not torch.equal(first["logits"], again["logits"])
+    assert (told.cache_hits, told.cache_misses) == (1, 1)
+
+
 def test_followers_of_a_cancelled_leader_still_get_their_row(net):
     gated = GatedPolicy(net)
     with BatchedPolicyServer(gated, cache=EvaluationCache(), timeout=1e6) as server:

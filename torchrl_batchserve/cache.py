@@ -15,8 +15,8 @@ for it, tagged with the weight version that computed them:
   admitted, so a request never gets a version older than the newest one
   staged before it was submitted;
 * memory is bounded: least recently used entries go first;
-* a request that samples (``InteractionType.RANDOM``) bypasses the cache:
-  it is never answered with, nor joined to, another call's sample.
+* a request that samples bypasses the cache: it is never answered with,
+  nor joined to, another call's sample (:func:`sampling_modes`).
 
 The server calls :meth:`admit` at submit and :meth:`complete` /
 :meth:`release` when a leader's batch ends; all three hold one lock.
@@ -33,18 +33,38 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase, is_non_tensor
+from tensordict.nn import InteractionType
+from torch import nn
 
 from torchrl_batchserve.errors import BadRequestError
 from torchrl_batchserve.layout import flat_rows, shaped_rows
 from torchrl_batchserve.request import Request
 
-__all__ = ["EvaluationCache"]
+__all__ = ["EvaluationCache", "sampling_modes"]
 
 HIT, JOINED, LEAD = "hit", "joined", "lead"
 
 
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, (torch.Tensor, TensorDictBase)) else value
+
+
+def sampling_modes(policy: nn.Module) -> frozenset[InteractionType | None]:
+    """The interaction types under which ``policy`` samples: the cache answers no request of these.
+
+    ``InteractionType.RANDOM`` always. ``None`` (no type set) too when a
+    module of ``policy`` samples unless told otherwise: a probabilistic
+    module whose ``default_interaction_type`` is ``RANDOM``, or a TorchRL
+    exploration module (they explore when no type is set).
+    """
+    from torchrl.modules import AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule
+
+    exploring = (AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule)
+    unless_told = any(
+        isinstance(m, exploring) or getattr(m, "default_interaction_type", None) == InteractionType.RANDOM
+        for m in policy.modules()
+    )
+    return frozenset({InteractionType.RANDOM, None}) if unless_told else frozenset({InteractionType.RANDOM})
 
 
 def digest(inputs: Sequence[Any]) -> bytes:

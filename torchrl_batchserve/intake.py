@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 from tensordict import TensorDictBase
-from tensordict.nn import InteractionType
 from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.cache import HIT, JOINED, EvaluationCache
@@ -42,6 +41,9 @@ class Intake:
         weights: the staging area (its newest version keys the cache).
         cache: the evaluation cache, if any.
         delivered: the keys a result carries (a cache hit's too).
+        sampling: the interaction types under which the policy samples
+            (:func:`~torchrl_batchserve.cache.sampling_modes`): the cache
+            answers none of their requests.
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class Intake:
         weights: ShadowWeights,
         cache: EvaluationCache | None,
         delivered: list[Any],
+        sampling: frozenset,
     ) -> None:
         self.layout = layout
         self.queue = queue
@@ -59,6 +62,7 @@ class Intake:
         self._weights = weights
         self._cache = cache
         self._delivered = delivered
+        self._sampling = sampling
 
     def request(
         self, cls: type[Request], td: TensorDictBase, caller: Any, interaction: Any = _HERE, **kwargs: Any
@@ -76,8 +80,8 @@ class Intake:
     def put(self, request: Request, may_serve: bool = False) -> Any:
         """Answer ``request`` from the cache, join it to an identical one in flight, or queue it.
 
-        A request that samples (``InteractionType.RANDOM``) is always queued:
-        an earlier sample is no answer to it.
+        A request that samples is always queued: an earlier sample is no
+        answer to it.
 
         Raises at once (and the request is not accepted) when the queue
         refuses it: closed, broken, full, or too large to ever fit. With
@@ -85,7 +89,7 @@ class Intake:
         hands it one (:meth:`RequestQueue.put <torchrl_batchserve.queue.RequestQueue.put>`).
         """
         cache = self._cache
-        if cache is None or request.interaction is InteractionType.RANDOM:  # a sample is drawn anew each call
+        if cache is None or request.interaction in self._sampling:  # a sample is drawn anew each call
             return self.queue.put(request, may_serve)
         outcome, values = cache.admit(request, self._weights.latest_version)
         if outcome == HIT:

@@ -29,7 +29,7 @@ from tensordict.nn import TensorDictModule, TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
-from torchrl_batchserve.cache import EvaluationCache
+from torchrl_batchserve.cache import EvaluationCache, sampling_modes
 from torchrl_batchserve.collate import StackCollate, as_collate
 from torchrl_batchserve.distributed import WeightReceiver
 from torchrl_batchserve.errors import ServerClosedError
@@ -156,7 +156,9 @@ class BatchedPolicyServer(TensorDictModule):
         max_batch_cost: the bound on a batch's total cost (needs ``cost_fn``).
         cache: an :class:`~torchrl_batchserve.EvaluationCache`: repeated rows
             are answered at submit from the outputs of the newest weight
-            version, identical rows in flight share one computed row.
+            version, identical rows in flight share one computed row;
+            requests that sample (:func:`~torchrl_batchserve.cache.sampling_modes`)
+            bypass it.
         policy_version_key: key under which each result carries the version of
             the weights that computed it; ``None`` disables the stamp.
         input_spec: the layout requests must have (dtype, feature shape and
@@ -282,7 +284,8 @@ class BatchedPolicyServer(TensorDictModule):
             forward_timeout=forward_timeout,
             static_batch_size=static_batch_size,
         )
-        self._intake = Intake(layout, self._queue, self._stats, self._weights, cache, self._serving.delivered)
+        sampling = sampling_modes(policy) if cache is not None else frozenset()
+        self._intake = Intake(layout, self._queue, self._stats, self._weights, cache, self._serving.delivered, sampling)
         self._endpoint = LocalEndpoint(self._intake, self._serving, self)
         self._lifecycle = threading.Lock()
         self._receivers: list[WeightReceiver] = []
