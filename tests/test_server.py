@@ -657,6 +657,38 @@ def test_each_request_runs_under_its_callers_interaction_type():
             det = remote.submit(obs()).result(10)
         assert int(random_td["seen"]) == list(InteractionType).index(InteractionType.RANDOM)
         assert int(det["seen"]) == list(InteractionType).index(InteractionType.DETERMINISTIC)
+        # a relay passes its callers' type, whatever is in effect in the process
+        relayed = server.submit(obs(), interaction=InteractionType.MODE).result(10)
+        with set_interaction_type(InteractionType.RANDOM):
+            unset = server.submit(obs(), interaction=None).result(10)
+        assert int(relayed["seen"]) == list(InteractionType).index(InteractionType.MODE)
+        assert int(unset["seen"]) == -1
+        with pytest.raises(TypeError, match="interaction must be an InteractionType or None"):
+            server.submit(obs(), interaction="random")
+
+
+def test_a_batch_leaves_the_process_wide_interaction_type_as_the_callers_left_it(net):
+    # tensordict's interaction type is one value for the whole process: the serve thread sets it for a
+    # batch only when it differs, and puts the old one back only if nobody changed it meanwhile.
+    gated = GatedPolicy(net)
+    with BatchedPolicyServer(gated, policy_version_key=None) as server:
+        remote = server.remote_policy()
+        with set_interaction_type(InteractionType.RANDOM):
+            future = remote.submit(obs())
+            assert gated.entered.wait(10)  # the batch runs under RANDOM, which the caller set
+        assert interaction_type() is None  # the caller's block ended while the batch ran
+        gated.gate.set()
+        future.result(10)
+        assert interaction_type() is None  # the batch did not put back the RANDOM it found
+        with set_interaction_type(InteractionType.MODE):
+            seen = remote(obs())  # runs under MODE: set by the batch, and put back after it
+            assert interaction_type() is InteractionType.MODE
+        assert interaction_type() is None
+        with set_interaction_type(InteractionType.DETERMINISTIC):
+            deterministic = remote.submit(obs())
+        deterministic.result(10)  # the batch set DETERMINISTIC where it found None, then put None back
+        assert interaction_type() is None
+    assert seen["logits"].shape == (3,)
 
 
 def test_statistics_is_a_frozen_snapshot(policy):

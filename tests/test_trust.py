@@ -7,11 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import make_mlp, obs
+from conftest import make_mlp, obs, wait_for
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule, TensorDictModuleBase
+from tensordict.nn import InteractionType, TensorDictModule, TensorDictModuleBase
+from tensordict.nn.probabilistic import interaction_type
 
-from torchrl_batchserve import BatchedPolicyServer, PolicyError
+from torchrl_batchserve import BatchedPolicyServer, ForwardTimeoutError, PolicyError
 
 
 class BiasHead(torch.nn.Module):
@@ -328,6 +329,60 @@ def test_a_replica_whose_forward_raises_fails_only_its_batch():
     with torch.no_grad():
         for td in outs:
             torch.testing.assert_close(td["logits"], net(td["observation"]))
+
+
+class ModeProbe(TensorDictModuleBase):
+    """Records the interaction type at the start and the end of each forward; a RANDOM one waits for ``go``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["logits"]
+        self.started: list = []
+        self.seen: list[tuple] = []
+        self.random_entered, self.go = threading.Event(), threading.Event()
+
+    def __deepcopy__(self, memo):
+        return self  # both replicas share the record and the events (the probe has no weights)
+
+    def forward(self, td):
+        start = interaction_type()
+        self.started.append(start)
+        if start is InteractionType.RANDOM:
+            self.random_entered.set()
+            assert self.go.wait(30)
+        self.seen.append((start, interaction_type()))
+        td.set("logits", td["observation"][..., :3] * 1)
+        return td
+
+
+def test_batches_under_different_interaction_types_never_run_at_once_on_two_replicas():
+    # tensordict's interaction type is one value per process: a DETERMINISTIC batch on the free replica must
+    # wait for the RANDOM one running on the other, or that one would sample under DETERMINISTIC halfway.
+    probe = ModeProbe()
+    with BatchedPolicyServer(probe, device=["cpu", "cpu"], max_batch_size=1, policy_version_key=None) as server:
+        held = server.submit(obs(), interaction=InteractionType.RANDOM)
+        assert probe.random_entered.wait(10)
+        other = server.submit(obs(), interaction=InteractionType.DETERMINISTIC)
+        gate = server._serving.interaction
+        wait_for(lambda: len(probe.started) == 2 or gate._waiting == 1, "the other batch to start or wait")
+        probe.go.set()
+        held.result(10), other.result(10)
+        assert interaction_type() is None  # put back as found
+    assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
+
+
+def test_a_batch_waiting_for_its_interaction_type_fails_when_a_forward_times_out():
+    probe = ModeProbe()
+    server = BatchedPolicyServer(probe, device=["cpu", "cpu"], max_batch_size=1, forward_timeout=0.2)
+    stuck = server.submit(obs(), interaction=InteractionType.RANDOM)
+    assert probe.random_entered.wait(10)
+    waiting = server.submit(obs(), interaction=InteractionType.DETERMINISTIC)
+    with pytest.raises(ForwardTimeoutError):
+        stuck.result(10)
+    with pytest.raises(ForwardTimeoutError):  # not left waiting behind a forward that never ends
+        waiting.result(10)
+    assert server.close(timeout=0.5) is False
+    probe.go.set()
 
 
 def test_the_server_given_to_a_multiprocess_collector_is_refused_with_our_advice_and_serves_on():

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from tensordict import TensorDictBase
+from tensordict.nn import InteractionType
 from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.cache import HIT, JOINED, EvaluationCache
@@ -26,9 +27,15 @@ from torchrl_batchserve.request import Request, fail_all
 from torchrl_batchserve.stats import StatisticsRecorder
 from torchrl_batchserve.weights import ShadowWeights
 
-__all__ = ["Intake"]
+__all__ = ["CURRENT", "Intake"]
 
-_HERE = object()  # the interaction type of the calling thread
+
+class _Current:
+    def __repr__(self) -> str:
+        return "CURRENT"
+
+
+CURRENT: Any = _Current()  # for ``interaction``: the interaction type in effect when the request is made
 
 
 class Intake:
@@ -65,16 +72,18 @@ class Intake:
         self._sampling = sampling
 
     def request(
-        self, cls: type[Request], td: TensorDictBase, caller: Any, interaction: Any = _HERE, **kwargs: Any
+        self, cls: type[Request], td: TensorDictBase, caller: Any, interaction: Any = CURRENT, **kwargs: Any
     ) -> Any:
-        """Validate ``td`` and wrap it in a ``cls`` request (``interaction``: default, this thread's)."""
+        """Validate ``td`` and wrap it in a ``cls`` request (``interaction``: default, the one in effect now)."""
         try:
             v = self.layout.check(td)
         except BadRequestError:
             self._stats.rejected()
             raise
-        if interaction is _HERE:
+        if interaction is CURRENT:
             interaction = interaction_type()
+        elif interaction is not None and not isinstance(interaction, InteractionType):
+            raise TypeError(f"interaction must be an InteractionType or None (got {interaction!r})")
         return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, v.layout, **kwargs)
 
     def put(self, request: Request, may_serve: bool = False) -> Any:

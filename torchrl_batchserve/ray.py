@@ -58,7 +58,7 @@ import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import TensorDictModuleBase, set_interaction_type
+from tensordict.nn import TensorDictModuleBase
 from tensordict.nn.probabilistic import InteractionType, interaction_type
 
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError, portable
@@ -420,8 +420,7 @@ class _ServerActor:
                 return
             try:
                 mode = None if interaction is None else InteractionType(interaction)
-                with set_interaction_type(mode):
-                    future = self._server.submit(batch, caller=caller)
+                future = self._server.submit(batch, caller=caller, interaction=mode)
             except Exception as err:  # refused at once (closed, bad rows): this batch only
                 with send, contextlib.suppress(OSError):
                     _send(conn, (seq, portable(err), None))

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase, is_non_tensor
-from tensordict.nn import TensorDictModuleBase, set_interaction_type
+from tensordict.nn import TensorDictModuleBase
 
 from torchrl_batchserve.errors import PolicyError
 from torchrl_batchserve.weights import ShadowWeights
@@ -111,7 +111,7 @@ class Replica:
         self.version = snapshot.version
 
     def forward(
-        self, batch: TensorDictBase, rows: int, interaction: Any, max_rows: int, static_rows: int | None = None
+        self, batch: TensorDictBase, rows: int, max_rows: int, static_rows: int | None = None
     ) -> TensorDictBase:
         """Run the policy on ``batch`` (on this replica's device and stream); its output TensorDict.
 
@@ -122,14 +122,13 @@ class Replica:
             if self._stream is not None:
                 self._stream.wait_stream(torch.cuda.default_stream(self._stream.device))
             batch = _on(batch, self.device)
-            with set_interaction_type(interaction):
-                if not batch.batch_dims:  # packed: no rows to slice or pad
-                    output = self.module(batch)
-                    return batch if output is None else output
-                if rows <= max_rows:
-                    return self._call(batch, static_rows)
-                # one request larger than a batch: run it in slices
-                return torch.cat([self._call(batch[i : i + max_rows], static_rows) for i in range(0, rows, max_rows)])
+            if not batch.batch_dims:  # packed: no rows to slice or pad
+                output = self.module(batch)
+                return batch if output is None else output
+            if rows <= max_rows:
+                return self._call(batch, static_rows)
+            # one request larger than a batch: run it in slices
+            return torch.cat([self._call(batch[i : i + max_rows], static_rows) for i in range(0, rows, max_rows)])
 
     def _call(self, batch: TensorDictBase, static_rows: int | None) -> TensorDictBase:
         rows = batch.batch_size[0]

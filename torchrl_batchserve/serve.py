@@ -19,15 +19,18 @@ with the served parameters, the batch's inputs or a buffer the policy keeps
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase, is_non_tensor
+from tensordict.nn import set_interaction_type
+from tensordict.nn.probabilistic import interaction_type
 from tensordict.utils import NestedKey
 
 from torchrl_batchserve.cache import EvaluationCache
@@ -45,7 +48,7 @@ from torchrl_batchserve.replica import Replica
 from torchrl_batchserve.request import Relay, Request, fail_all, resolve
 from torchrl_batchserve.stats import StatisticsRecorder
 
-__all__ = ["Serving", "in_serve_loop", "owned"]
+__all__ = ["InteractionGate", "Serving", "in_serve_loop", "owned"]
 
 _log = logging.getLogger(__name__)
 
@@ -133,6 +136,61 @@ class _Watchdog:
             self._expire(expired)
 
 
+class InteractionGate:
+    """Forwards under one interaction type run together; under another, after them.
+
+    tensordict's interaction type is one value for the whole process, read
+    by the policy's modules while they run: two batches of a server under
+    different types at once (on two replicas, a gateway's batches in flight)
+    would each run under whichever was set last. The first forward of a run
+    sets its type if it differs, the last puts back the one found if nobody
+    changed it meanwhile (the callers' threads set and reset it too). Once a
+    forward of another type waits, new ones wait too, so it is not starved.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._mode: Any = None
+        self._running = 0
+        self._waiting = 0
+        self._setting: set_interaction_type | None = None
+        self._broken: BaseException | None = None
+
+    @contextlib.contextmanager
+    def under(self, mode: Any) -> Iterator[None]:
+        """Run the block under the interaction type ``mode``."""
+        with self._cond:
+            if self._running and (mode != self._mode or self._waiting):
+                self._waiting += 1
+                while self._running and self._broken is None:
+                    self._cond.wait()
+                self._waiting -= 1
+            if self._broken is not None:  # a forward that never ends holds the run: the server is broken
+                raise self._broken
+            if not self._running:
+                self._mode = mode
+                if interaction_type() != mode:
+                    self._setting = set_interaction_type(mode)
+                    self._setting.__enter__()
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                if not self._running:
+                    if self._setting is not None and interaction_type() == mode:
+                        self._setting.__exit__(None, None, None)
+                    self._setting = None
+                    self._cond.notify_all()
+
+    def break_(self, error: BaseException) -> None:
+        """Fail every forward waiting for its turn, and every later one, with ``error``."""
+        with self._cond:
+            self._broken = error
+            self._cond.notify_all()
+
+
 class Serving:
     """What the serve loops of one server share, and the steps of a batch.
 
@@ -179,6 +237,7 @@ class Serving:
         self.max_batch_size = max_batch_size
         self.static_batch_size = static_batch_size
         self.relay = Relay()  # one wake-up chain for all blocking callers of this server
+        self.interaction = InteractionGate()
         self.replicas: list[Replica] = []
         self.threads: list[threading.Thread] = []
         self._watchdog = _Watchdog(forward_timeout, self._timed_out) if forward_timeout is not None else None
@@ -241,6 +300,7 @@ class Serving:
             error.__cause__ = cause
         fail_all(self._with_followers(list(requests)), error)
         fail_all(self._with_followers(self.queue.break_(cause)), error)
+        self.interaction.break_(error)
 
     def _timed_out(self, group: list[Request]) -> None:
         error = ForwardTimeoutError("a forward ran longer than forward_timeout; the server is broken")
@@ -328,7 +388,8 @@ class Serving:
         batch = self.collate.collate(group, self.layout.keys)
         foreign = replica.foreign | {t.untyped_storage().data_ptr() for t in batch.values(True, True)}
         packed = not batch.batch_dims  # a packed batch has no rows: its collate checks its outputs
-        output = replica.forward(batch, rows, group[0].interaction, self.max_batch_size, self.static_batch_size)
+        with self.interaction.under(group[0].interaction):
+            output = replica.forward(batch, rows, self.max_batch_size, self.static_batch_size)
         self._check(output, None if packed else rows)
         device = self.output_device or group[0].device
         output = replica.fetch(output, self.out_keys, device)

@@ -33,7 +33,7 @@ from torchrl_batchserve.cache import EvaluationCache, sampling_modes
 from torchrl_batchserve.collate import StackCollate, as_collate
 from torchrl_batchserve.distributed import WeightReceiver
 from torchrl_batchserve.errors import ServerClosedError
-from torchrl_batchserve.intake import Intake
+from torchrl_batchserve.intake import CURRENT, Intake
 from torchrl_batchserve.layout import Layout, layout_of
 from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.remote import RemotePolicy
@@ -376,15 +376,21 @@ class BatchedPolicyServer(TensorDictModule):
         """A :class:`~torchrl_batchserve.RemotePolicy` served by this server."""
         return RemotePolicy(self._endpoint, self.in_keys, self.out_keys)
 
-    def submit(self, tensordict: TensorDictBase, *, caller: Any = None) -> Future[TensorDictBase]:
+    def submit(
+        self, tensordict: TensorDictBase, *, caller: Any = None, interaction: Any = CURRENT
+    ) -> Future[TensorDictBase]:
         """Shortcut for ``server.remote_policy().submit(tensordict)``.
 
         ``caller`` names who waits on the result, for the batching rule's
         ``all_waiting`` (default: the calling thread). A relay that submits
         for others from a pool of threads (a node's gateway) passes its own
-        name, so that its requests count as one caller's.
+        name, so that its requests count as one caller's. ``interaction`` is
+        the interaction type the request runs under (an ``InteractionType``
+        or ``None``; default: the one in effect now). A relay passes its
+        callers': tensordict's interaction type is one value for the whole
+        process, which other threads may be changing.
         """
-        return self._endpoint.submit(tensordict, caller)
+        return self._endpoint.submit(tensordict, caller, interaction)
 
     # -- weights and statistics ----------------------------------------------------
 

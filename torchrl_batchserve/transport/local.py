@@ -11,7 +11,7 @@ from typing import Any
 from tensordict import TensorDictBase
 
 from torchrl_batchserve.errors import BatchServeError, ServerBrokenError, ServerClosedError
-from torchrl_batchserve.intake import Intake
+from torchrl_batchserve.intake import CURRENT, Intake
 from torchrl_batchserve.request import AsyncRequest, BlockingRequest, FutureRequest
 from torchrl_batchserve.serve import Serving, in_serve_loop
 from torchrl_batchserve.transport.hub import ProcessHub
@@ -119,13 +119,13 @@ class LocalEndpoint:
             self._serving.serve_inline(taken)
         return request.wait(self._serving.alive)
 
-    def submit(self, td: TensorDictBase, caller: Any = None) -> Future[TensorDictBase]:
+    def submit(self, td: TensorDictBase, caller: Any = None, interaction: Any = CURRENT) -> Future[TensorDictBase]:
         """Enqueue ``td``; the Future resolves to ``td`` with its outputs written (``caller``: default, this thread)."""
         if not self._here():
             return self._other_process().submit(td)
         if caller is None:
             caller = threading.get_ident()
-        request: FutureRequest = self._intake.request(FutureRequest, td, caller)
+        request: FutureRequest = self._intake.request(FutureRequest, td, caller, interaction)
         self._intake.put(request)
         return request.future
 
