@@ -6,6 +6,7 @@ import asyncio
 import copy
 import dataclasses
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -625,6 +626,20 @@ def test_the_weights_of_the_module_a_tensordictmodule_wraps_are_taken_as_its_own
             server.update_weights(other)  # nested, then checked like any push
         with pytest.raises(WeightSyncError, match="weights do not match the served policy"):
             server.update_weights(torch.nn.Linear(8, 3))
+
+
+def test_a_policy_whose_batch_norm_is_in_training_mode_is_served_with_a_warning_to_call_eval():
+    net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    with pytest.warns(UserWarning, match=r"batch norms \['module.1'\] are in training mode.*policy.eval\(\)"):
+        BatchedPolicyServer(policy).close()
+    policy.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with BatchedPolicyServer(policy) as server:  # served in eval mode: no warning, a row of one is fine
+            td = server.remote_policy()(obs())
+    with torch.no_grad():
+        torch.testing.assert_close(td["logits"], net(td["observation"].unsqueeze(0))[0])
 
 
 def test_constructor_rejects_policies_without_keys():

@@ -18,6 +18,7 @@ import math
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -65,6 +66,31 @@ def _as_policy(policy: Any, in_keys: Any, out_keys: Any) -> TensorDictModuleBase
             )
         return TensorDictModule(policy, in_keys=in_keys, out_keys=out_keys)
     raise TypeError(f"policy must be a TensorDictModuleBase or an nn.Module, got {type(policy).__name__}")
+
+
+_BATCH_NORMS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.SyncBatchNorm,
+)
+
+
+def _warn_if_rows_mix(policy: nn.Module) -> None:
+    training = [
+        name or type(m).__name__ for name, m in policy.named_modules() if isinstance(m, _BATCH_NORMS) and m.training
+    ]
+    if training:
+        warnings.warn(
+            f"the policy's batch norms {training} are in training mode: each row's outputs would depend on the "
+            "other rows of its batch (and a batch of one row fails). The server serves its copy in the mode the "
+            "policy has when the server is built: call policy.eval() first",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -220,6 +246,7 @@ class BatchedPolicyServer(TensorDictModule):
         out_keys: Sequence[NestedKey] | None = None,
     ) -> None:
         policy = _as_policy(policy, in_keys, out_keys)
+        _warn_if_rows_mix(policy)
         _check_int("max_batch_size", max_batch_size, 1)
         timeout = _check_seconds("timeout", timeout)
         if forward_timeout is not None:
