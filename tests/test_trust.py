@@ -371,6 +371,43 @@ def test_batches_under_different_interaction_types_never_run_at_once_on_two_repl
     assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
 
 
+class ModeTag(TensorDictModuleBase):
+    """Tags each row with the interaction type seen at the start and at the end of its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["tag"]
+        self.net = make_mlp()
+
+    def forward(self, td):
+        start = interaction_type()
+        for _ in range(3):  # torch ops: the GIL goes to other threads in between
+            self.net(td["observation"])
+        code = [None, *InteractionType].index
+        td.set("tag", torch.full(td.batch_size, code(start) * 10 + code(interaction_type())))
+        return td
+
+
+def test_requests_of_many_interaction_types_on_two_replicas_each_run_under_their_own():
+    modes = [None, *InteractionType]
+    with BatchedPolicyServer(ModeTag(), device=["cpu", "cpu"], max_batch_size=8, timeout=0.0005) as server:
+
+        def actor(i: int) -> list[bool]:
+            out = []
+            for j in range(40):
+                mode = modes[(i + j) % len(modes)]
+                tag = int(server.submit(obs(), interaction=mode).result(30)["tag"])
+                out.append(tag == modes.index(mode) * 11)
+            return out
+
+        with ThreadPoolExecutor(12) as pool:
+            results = [ok for oks in pool.map(actor, range(12)) for ok in oks]
+        replicas = server.statistics().replicas
+    assert all(results) and len(results) == 12 * 40
+    assert all(r.batches > 0 for r in replicas)
+    assert interaction_type() is None
+
+
 def test_a_batch_waiting_for_its_interaction_type_fails_when_a_forward_times_out():
     probe = ModeProbe()
     server = BatchedPolicyServer(probe, device=["cpu", "cpu"], max_batch_size=1, forward_timeout=0.2)
