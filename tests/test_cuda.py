@@ -93,7 +93,7 @@ def test_a_result_left_on_cuda_keeps_its_memory_while_the_caller_reads_it_after_
             later = pool.submit(remote, TensorDict(observation=torch.randn(8, device="cuda")))
             assert held.entered.wait(30)  # the next batch runs on the replica's stream, past its wait for ours
             busy = torch.randn(2048, 2048, device="cuda")
-            for _ in range(50):  # keep the default stream busy: the read below runs after all this
+            for _ in range(200):  # keep the default stream busy: the read below runs after all this
                 busy = torch.tanh(busy @ busy)
             read = first["logits"] * 1
             del first  # freed while the read is still queued
