@@ -297,6 +297,26 @@ def test_a_policy_that_samples_when_no_interaction_type_is_set_is_not_cached_the
     assert (told.cache_hits, told.cache_misses) == (1, 1)
 
 
+class Uncopyable(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(8, 3)
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError("no copies")
+
+
+def test_a_cache_serves_one_server_only(policy):
+    cache = EvaluationCache()
+    with pytest.raises(TypeError, match="cannot be copied"):  # a server refused after its checks takes no cache
+        BatchedPolicyServer(TensorDictModule(Uncopyable(), in_keys=["observation"], out_keys=["logits"]), cache=cache)
+    with BatchedPolicyServer(policy, cache=cache) as server:
+        server.remote_policy()(obs(0))
+    with pytest.raises(ValueError, match="belongs to another server"):  # its entries are the first one's, at v0
+        BatchedPolicyServer(
+            TensorDictModule(make_mlp(seed=1), in_keys=["observation"], out_keys=["logits"]), cache=cache
+        )
+
+
 def test_followers_of_a_cancelled_leader_still_get_their_row(net):
     gated = GatedPolicy(net)
     with BatchedPolicyServer(gated, cache=EvaluationCache(), timeout=1e6) as server:

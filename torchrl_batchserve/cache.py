@@ -146,6 +146,17 @@ class EvaluationCache:
         self._leaders: dict[Hashable, tuple[Request, int]] = {}  # key -> (leader, version staged at its admission)
         self._followers: dict[int, list[Request]] = {}  # id(leader) -> followers
         self.hits = self.misses = self.coalesced = 0
+        self._served = False
+
+    def serve(self) -> None:
+        """Taken by a server: its entries are that server's outputs at its versions, so no other may take it."""
+        with self._lock:
+            if self._served:
+                raise ValueError(
+                    "this EvaluationCache belongs to another server: its entries are that server's outputs, "
+                    "numbered by that server's versions. Give each server a cache of its own"
+                )
+            self._served = True
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -283,6 +283,8 @@ class BatchedPolicyServer(TensorDictModule):
         check = getattr(collate, "check", None)
         layout = Layout(keys, variable, specs, check=check, cost_fn=cost_fn, max_cost=max_batch_cost)
         served = [served_copy(policy, d) for d in devices]  # last: a refused server copies nothing
+        if cache is not None:
+            cache.serve()  # and takes no cache
 
         super().__init__(policy, in_keys=list(policy.in_keys), out_keys=list(policy.out_keys))
         self.max_batch_size = max_batch_size
