@@ -53,11 +53,13 @@ def test_output_device_and_cuda_requests():
 def test_weight_updates_reach_a_cuda_policy_in_place():
     policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy, device="cuda") as server:
-        storage = next(server.policy.parameters()).data_ptr()
+        served = server._replicas[0].module  # the server's own copy, on the GPU
+        storage = next(served.parameters()).data_ptr()
         new = TensorDictModule(make_mlp(seed=3), in_keys=["observation"], out_keys=["logits"])
         assert server.update_weights(TensorDict.from_module(new)) == 1
         td = server.remote_policy()(TensorDict(observation=torch.ones(8)))
-        assert next(server.policy.parameters()).data_ptr() == storage  # in place: CUDA graphs keep their storage
+        assert next(served.parameters()).is_cuda
+        assert next(served.parameters()).data_ptr() == storage  # in place: CUDA graphs keep their storage
     assert int(td["policy_version"]) == 1
     torch.testing.assert_close(td["logits"], reference(make_mlp(seed=3), torch.ones(8)), atol=1e-5, rtol=1e-4)
 
