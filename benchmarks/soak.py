@@ -20,7 +20,11 @@ version stamped on it. Counted:
 adds an :class:`~torchrl_batchserve.EvaluationCache` and draws every row
 from one small pool of observations shared by all actors, so rows hit the
 cache and identical rows in flight coalesce, across actors and processes,
-while the versions change under them. ``--faults`` makes one request in 200
+while the versions change under them. ``--modes`` runs each worker process under an interaction type of its own
+(RANDOM, DETERMINISTIC, MODE in turn; the other actors under none) and the
+policy adds an offset per type, so a row served under another's type is
+``wrong``: with ``--replicas 2`` batches of different types wait for each
+other. ``--faults`` makes one request in 200
 hold a row that makes its batch raise (``refused``: that batch's requests,
 failed with the policy's error), cancels one call in 7 (``cancelled``) and
 kills one more worker process with ``SIGKILL`` a second into the run.
@@ -50,7 +54,8 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule
+from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
+from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve import BatchedPolicyServer, EvaluationCache
 
@@ -58,6 +63,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FEATURES, ACTIONS = 8, 3
 POOL = 64  # distinct observation rows with --cache
 POISON = 1e6  # a row whose first feature is this fails its batch (--faults)
+MODES = (InteractionType.RANDOM, InteractionType.DETERMINISTIC, InteractionType.MODE)  # of the workers (--modes)
+OFFSET = {None: 0.0, **{mode: 10.0 * (i + 1) for i, mode in enumerate(MODES)}}  # added by the policy per type
 
 
 def make_net() -> torch.nn.Module:
@@ -80,7 +87,7 @@ class Poisonable(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if bool((x[..., 0] == POISON).any()):
             raise ValueError("poisoned row")
-        return self.net(x)
+        return self.net(x) + OFFSET[interaction_type()]  # 0 under no type: the plain net
 
 
 def weights_at(version: int) -> dict[str, torch.Tensor]:
@@ -100,7 +107,8 @@ class Checker:
     two replicas finish in either order).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, mode: InteractionType | None = None) -> None:
+        self.offset = OFFSET[mode]  # what the policy adds under the actor's interaction type
         self._nets: dict[int, torch.nn.Module] = {}
         self.sent = self.done = self.wrong = self.duplicated = self.errors = self.refused = self.cancelled = 0
         self._last: dict[Any, int] = {}  # the newest version each caller has seen
@@ -127,7 +135,7 @@ class Checker:
             self.wrong += 1  # its batch raised: it cannot have a result
             return
         with torch.no_grad():
-            want = self.reference(version)(td["observation"])
+            want = self.reference(version)(td["observation"]) + self.offset
         least = max(floor, self._last.get(caller, -1)) if caller is not None else floor
         if version < least or not torch.allclose(td["logits"], want, rtol=1e-4, atol=1e-5):
             self.wrong += 1
@@ -175,8 +183,10 @@ class Mix:
         staged: a version staged by now (the trainer's process only).
     """
 
-    def __init__(self, rows_of: torch.Tensor | None, faults: bool, staged: Any = _unknown) -> None:
-        self.rows_of, self.faults, self.staged = rows_of, faults, staged
+    def __init__(
+        self, rows_of: torch.Tensor | None, faults: bool, staged: Any = _unknown, mode: InteractionType | None = None
+    ) -> None:
+        self.rows_of, self.faults, self.staged, self.mode = rows_of, faults, staged, mode
 
     def request(self, rng: random.Random) -> TensorDict:
         """A fresh request of a single row or 1-4 rows."""
@@ -199,7 +209,7 @@ PLAIN = Mix(None, False)  # random rows, no faults
 
 
 def blocking_actor(remote: Any, seed: int, n: int, mix: Mix) -> dict[str, Any]:
-    rng, checker = random.Random(seed), Checker()
+    rng, checker = random.Random(seed), Checker(mix.mode)
     for _ in range(n):
         td = mix.request(rng)
         checker.sent += 1
@@ -215,7 +225,7 @@ def blocking_actor(remote: Any, seed: int, n: int, mix: Mix) -> dict[str, Any]:
 
 def future_actor(remote: Any, seed: int, n: int, mix: Mix, depth: int = 4) -> dict[str, Any]:
     """Keeps ``depth`` futures in flight; counts every callback."""
-    rng, checker = random.Random(seed), Checker()
+    rng, checker = random.Random(seed), Checker(mix.mode)
     lock = threading.Lock()
     pending: list[tuple[Future, TensorDict, int, list[int]]] = []
 
@@ -265,7 +275,7 @@ def future_actor(remote: Any, seed: int, n: int, mix: Mix, depth: int = 4) -> di
 
 
 def task_actors(remote: Any, seed: int, tasks: int, n: int, mix: Mix) -> dict[str, Any]:
-    checker = Checker()
+    checker = Checker(mix.mode)
 
     async def one(k: int) -> None:
         rng = random.Random(seed + k)
@@ -288,10 +298,16 @@ def task_actors(remote: Any, seed: int, tasks: int, n: int, mix: Mix) -> dict[st
     return checker.counts()
 
 
-def process_actor(remote: Any, seed: int, n: int, cached: bool, faults: bool, tasks: int, results: Any) -> None:
-    """A worker process: a blocking caller and ``tasks`` asyncio tasks (another thread) share its one copy."""
+def process_actor(
+    remote: Any, seed: int, n: int, cached: bool, faults: bool, tasks: int, results: Any, mode: Any = None
+) -> None:
+    """A worker process: a blocking caller and ``tasks`` asyncio tasks (another thread) share its one copy.
+
+    ``mode``: the interaction type of the whole process (``--modes``).
+    """
     torch.set_num_threads(1)
-    mix = Mix(pool() if cached else None, faults)
+    set_interaction_type(mode).__enter__()  # for the process's life: it is one value per process
+    mix = Mix(pool() if cached else None, faults, mode=mode)
     of_tasks: list[dict[str, Any]] = []  # (no tasks: counts of zero)
     loop = threading.Thread(target=lambda: of_tasks.append(task_actors(remote, seed + 1000, tasks, n, mix)))
     loop.start()
@@ -331,6 +347,7 @@ def run(
     replicas: int = 1,
     cache: bool = False,
     faults: bool = False,
+    modes: bool = False,
 ) -> dict[str, Any]:
     """One soak of about ``requests`` requests; the counts and the resources before, after warm-up and after.
 
@@ -339,7 +356,8 @@ def run(
     ``cache``: an evaluation cache, and every row drawn from :func:`pool`.
     ``faults``: poisoned rows and cancelled calls (:class:`Mix`), and one
     more worker process, killed (``SIGKILL``) a second into the run with
-    requests in flight.
+    requests in flight. ``modes``: each worker process under an interaction
+    type of its own (:data:`MODES` in turn).
     """
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
@@ -378,7 +396,9 @@ def run(
         pusher.start()
         workers = [
             ctx.Process(
-                target=process_actor, args=(remote, 100 + i, per_actor, cache, faults, worker_tasks, results_queue)
+                target=process_actor,
+                args=(remote, 100 + i, per_actor, cache, faults, worker_tasks, results_queue),
+                kwargs={"mode": MODES[i % len(MODES)] if modes else None},
             )
             for i in range(processes)
         ]
@@ -456,7 +476,9 @@ _INTRO = (
     "was sent, and never older than the last one its caller got for a caller with one request at a time. "
     "With faults, one request in 200 holds a row that makes its batch raise (that batch's requests are refused "
     "with the policy's error), one call in 7 is cancelled by its caller, and one more worker process is killed "
-    "with SIGKILL a second into the run."
+    "with SIGKILL a second into the run. With modes, the worker processes run under interaction types of their "
+    "own (RANDOM, DETERMINISTIC), the other actors under none, and the policy adds an offset per type: a row "
+    "served under another caller's type is wrong."
 )
 
 
@@ -464,10 +486,12 @@ def write_report(result: dict[str, Any], args: Any) -> Path:
     """Write this configuration's section of ``reliability.md``; the other configurations' sections stay."""
     b, w, a = result["before"], result["warm"], result["after"]
     flags = f" --replicas {args.replicas}" * (args.replicas > 1) + " --cache" * args.cache + " --faults" * args.faults
+    flags += " --modes" * args.modes
     setting = (
         f"{args.replicas} CPU replica{'s' * (args.replicas > 1)}"
         + (f", the evaluation cache (rows drawn from one pool of {POOL}, a cache of {POOL // 2})" if args.cache else "")
         + (", faults" if args.faults else "")
+        + (", worker processes under interaction types of their own" if args.modes else "")
     )
     section = [
         f"## {setting}",
@@ -512,9 +536,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--replicas", type=int, default=1, help="CPU replicas serving the one queue")
     parser.add_argument("--cache", action="store_true", help="an evaluation cache, rows from one shared pool")
     parser.add_argument("--faults", action="store_true", help="poisoned rows, cancelled calls, a killed worker")
+    parser.add_argument("--modes", action="store_true", help="worker processes under interaction types of their own")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="the folder reliability.md goes in")
     args = parser.parse_args(argv)
-    result = run(args.requests, replicas=args.replicas, cache=args.cache, faults=args.faults)
+    result = run(args.requests, replicas=args.replicas, cache=args.cache, faults=args.faults, modes=args.modes)
     print({k: v for k, v in result.items() if k not in ("before", "warm", "after")})
     print("before", result["before"], "\nwarm  ", result["warm"], "\nafter ", result["after"])
     if args.requests >= 100_000:

@@ -213,20 +213,30 @@ def test_mcts_benchmark_quick_smoke(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "replicas, cache, faults",
-    [(1, False, False), (2, True, False), (2, True, True)],
-    ids=["one-replica", "two-replicas-cache", "two-replicas-cache-faults"],
+    "replicas, cache, faults, modes",
+    [(1, False, False, False), (2, True, False, False), (2, True, True, False), (2, True, False, True)],
+    ids=["one-replica", "two-replicas-cache", "two-replicas-cache-faults", "two-replicas-cache-modes"],
 )
-def test_a_short_soak_loses_duplicates_and_corrupts_nothing_and_leaves_nothing_behind(replicas, cache, faults):
+def test_a_short_soak_loses_duplicates_and_corrupts_nothing_and_leaves_nothing_behind(replicas, cache, faults, modes):
     # benchmarks/soak.py with small settings: mixed threads, futures, asyncio tasks and a
     # worker process while weights are pushed; every result checked at its stamped version
     # (no older than the newest staged before it was sent; never older for one caller with one
     # request at a time). With two replicas and the cache, rows come from one pool, so hits and
     # coalesced rows are checked too. With faults, some rows make their batch raise, some calls
     # are cancelled and a worker is killed mid-run: each of those requests fails or is cancelled,
-    # never lost and never answered wrongly, and every other request is served.
+    # never lost and never answered wrongly, and every other request is served. With modes, two
+    # worker processes run under RANDOM and DETERMINISTIC, the others under none, and the policy's
+    # output tells them apart: no row is served under another's interaction type.
     result = load_script("benchmarks", "soak").run(
-        4000, threads=2, futures=1, tasks=4, processes=1, replicas=replicas, cache=cache, faults=faults
+        4000,
+        threads=2,
+        futures=1,
+        tasks=4,
+        processes=2 if modes else 1,
+        replicas=replicas,
+        cache=cache,
+        faults=faults,
+        modes=modes,
     )
     assert result["sent"] >= result["done"] > 0
     assert (result["lost"], result["duplicated"], result["wrong"], result["errors"]) == (0, 0, 0, 0)

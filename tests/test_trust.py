@@ -371,6 +371,21 @@ def test_batches_under_different_interaction_types_never_run_at_once_on_two_repl
     assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
 
 
+def test_a_caller_of_the_servers_process_keeps_its_own_type_while_a_forward_has_set_another():
+    # A worker's RANDOM batch runs in the server's process, under RANDOM for the whole process: a thread there
+    # that set no type still submits under none, not under the forward's.
+    probe = ModeProbe()
+    with BatchedPolicyServer(probe, max_batch_size=1, policy_version_key=None) as server:
+        held = server.submit(obs(), interaction=InteractionType.RANDOM)  # as a worker's, or a relay's, comes
+        assert probe.random_entered.wait(10)
+        assert interaction_type() is InteractionType.RANDOM  # the forward's, process-wide
+        mine = server.remote_policy().submit(obs())
+        probe.go.set()
+        held.result(10), mine.result(10)
+        assert interaction_type() is None
+    assert probe.seen == [(InteractionType.RANDOM,) * 2, (None, None)]
+
+
 class ModeTag(TensorDictModuleBase):
     """Tags each row with the interaction type seen at the start and at the end of its forward."""
 

@@ -17,13 +17,13 @@ from typing import Any
 
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
-from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.cache import HIT, JOINED, EvaluationCache
 from torchrl_batchserve.errors import BadRequestError
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.request import Request, fail_all
+from torchrl_batchserve.serve import InteractionGate
 from torchrl_batchserve.stats import StatisticsRecorder
 from torchrl_batchserve.weights import ShadowWeights
 
@@ -51,6 +51,8 @@ class Intake:
         sampling: the interaction types under which the policy samples
             (:func:`~torchrl_batchserve.cache.sampling_modes`): the cache
             answers none of their requests.
+        interaction: the serve loops' gate, which tells the type the callers
+            of this process are under while a forward has set its own.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class Intake:
         cache: EvaluationCache | None,
         delivered: list[Any],
         sampling: frozenset,
+        interaction: InteractionGate,
     ) -> None:
         self.layout = layout
         self.queue = queue
@@ -70,6 +73,7 @@ class Intake:
         self._cache = cache
         self._delivered = delivered
         self._sampling = sampling
+        self._interaction = interaction
 
     def request(
         self, cls: type[Request], td: TensorDictBase, caller: Any, interaction: Any = CURRENT, **kwargs: Any
@@ -81,7 +85,7 @@ class Intake:
             self._stats.rejected()
             raise
         if interaction is CURRENT:
-            interaction = interaction_type()
+            interaction = self._interaction.callers_mode()
         elif interaction is not None and not isinstance(interaction, InteractionType):
             raise TypeError(f"interaction must be an InteractionType or None (got {interaction!r})")
         return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, v.layout, **kwargs)

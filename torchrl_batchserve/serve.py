@@ -146,6 +146,8 @@ class InteractionGate:
     sets its type if it differs, the last puts back the one found if nobody
     changed it meanwhile (the callers' threads set and reset it too). Once a
     forward of another type waits, new ones wait too, so it is not starved.
+    While a run's type is set, the callers of this process read the one it
+    replaced (:meth:`callers_mode`), not the forward's.
     """
 
     def __init__(self) -> None:
@@ -154,6 +156,7 @@ class InteractionGate:
         self._running = 0
         self._waiting = 0
         self._setting: set_interaction_type | None = None
+        self._found: Any = None  # the type a run's setting replaced
         self._broken: BaseException | None = None
 
     @contextlib.contextmanager
@@ -169,7 +172,9 @@ class InteractionGate:
                 raise self._broken
             if not self._running:
                 self._mode = mode
-                if interaction_type() != mode:
+                found = interaction_type()
+                if found != mode:
+                    self._found = found
                     self._setting = set_interaction_type(mode)
                     self._setting.__enter__()
             self._running += 1
@@ -183,6 +188,18 @@ class InteractionGate:
                         self._setting.__exit__(None, None, None)
                     self._setting = None
                     self._cond.notify_all()
+
+    def callers_mode(self) -> Any:
+        """The interaction type a caller of this process is under: the one in effect, or the one a forward's replaced.
+
+        Read without the lock (on every request): ``_found`` is written
+        before ``_setting``, and the forward's type is set only where it
+        differs from the one found.
+        """
+        mode = interaction_type()
+        if self._setting is not None and mode == self._mode:
+            return self._found
+        return mode
 
     def break_(self, error: BaseException) -> None:
         """Fail every forward waiting for its turn, and every later one, with ``error``."""

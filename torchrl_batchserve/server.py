@@ -314,7 +314,16 @@ class BatchedPolicyServer(TensorDictModule):
             static_batch_size=static_batch_size,
         )
         sampling = sampling_modes(policy) if cache is not None else frozenset()
-        self._intake = Intake(layout, self._queue, self._stats, self._weights, cache, self._serving.delivered, sampling)
+        self._intake = Intake(
+            layout,
+            self._queue,
+            self._stats,
+            self._weights,
+            cache,
+            self._serving.delivered,
+            sampling,
+            self._serving.interaction,
+        )
         self._endpoint = LocalEndpoint(self._intake, self._serving, self)
         self._lifecycle = threading.Lock()
         self._receivers: list[WeightReceiver] = []
