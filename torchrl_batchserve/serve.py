@@ -190,16 +190,10 @@ class InteractionGate:
                     self._cond.notify_all()
 
     def callers_mode(self) -> Any:
-        """The interaction type a caller of this process is under: the one in effect, or the one a forward's replaced.
-
-        Read without the lock (on every request): ``_found`` is written
-        before ``_setting``, and the forward's type is set only where it
-        differs from the one found.
-        """
-        mode = interaction_type()
-        if self._setting is not None and mode == self._mode:
-            return self._found
-        return mode
+        """The type a caller of this process is under: the one in effect, or the one a running forward's replaced."""
+        with self._cond:
+            mode = interaction_type()
+            return self._found if self._setting is not None and mode == self._mode else mode
 
     def break_(self, error: BaseException) -> None:
         """Fail every forward waiting for its turn, and every later one, with ``error``."""
