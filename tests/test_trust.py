@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -421,6 +422,36 @@ def test_requests_of_many_interaction_types_on_two_replicas_each_run_under_their
     assert all(results) and len(results) == 12 * 40
     assert all(r.batches > 0 for r in replicas)
     assert interaction_type() is None
+
+
+class Slow(TensorDictModuleBase):
+    """Every forward takes 0.4 s; a RANDOM one tells when it began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["logits"]
+        self.random_entered = threading.Event()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def forward(self, td):
+        if interaction_type() is InteractionType.RANDOM:
+            self.random_entered.set()
+        time.sleep(0.4)
+        td.set("logits", td["observation"][..., :3] * 1)
+        return td
+
+
+def test_the_wait_for_another_interaction_type_is_no_part_of_a_forwards_time():
+    # Each forward takes 0.4 s, within forward_timeout=0.7; the DETERMINISTIC batch waits up to 0.4 s at the
+    # gate first. Counted from before that wait, it would break the server though no forward ran long.
+    slow = Slow()
+    with BatchedPolicyServer(slow, device=["cpu", "cpu"], max_batch_size=1, forward_timeout=0.7) as server:
+        first = server.submit(obs(), interaction=InteractionType.RANDOM)
+        assert slow.random_entered.wait(10)
+        second = server.submit(obs(), interaction=InteractionType.DETERMINISTIC)
+        assert first.result(10)["logits"].shape == second.result(10)["logits"].shape == (3,)
 
 
 def test_a_batch_waiting_for_its_interaction_type_fails_when_a_forward_times_out():

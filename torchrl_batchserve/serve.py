@@ -376,8 +376,6 @@ class Serving:
             return group, None, _misfit(self.layout, group)  # another layout was served first
         rows = sum(r.rows for r in group)
         now, start = time.monotonic(), time.perf_counter()
-        if self._watchdog is not None:
-            self._watchdog.start(replica.index, group)
         try:
             columns = self._run(replica, group, rows)
         except Exception as err:  # the policy's or the collate's: this batch only
@@ -400,6 +398,8 @@ class Serving:
         foreign = replica.foreign | {t.untyped_storage().data_ptr() for t in batch.values(True, True)}
         packed = not batch.batch_dims  # a packed batch has no rows: its collate checks its outputs
         with self.interaction.under(group[0].interaction):
+            if self._watchdog is not None:  # from here: waiting for the gate is no part of a forward's time
+                self._watchdog.start(replica.index, group)
             output = replica.forward(batch, rows, self.max_batch_size, self.static_batch_size)
         self._check(output, None if packed else rows)
         device = self.output_device or group[0].device
