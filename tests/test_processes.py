@@ -510,19 +510,20 @@ def test_trainer_pushes_versions_to_two_server_processes_over_a_dedicated_group(
 def test_a_weight_sync_scheme_with_an_address_pushes_to_a_server_process_over_the_group():
     from torchrl_batchserve import BatchServeWeightSyncScheme
 
-    port, final = free_port(), 2
+    port, final = free_port(), 3
     reached, stop, results = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
     server = SPAWN.Process(target=pw.weight_server, args=(1, 2, port, final, reached, stop, results))
     server.start()
-    scheme = BatchServeWeightSyncScheme(address="127.0.0.1", port=port, world_size=2, timeout=60)
+    trained = TensorDictModule(pw.make_net(final), in_keys=["observation"], out_keys=["logits"])
+    scheme = BatchServeWeightSyncScheme(address="127.0.0.1", port=port, world_size=2, timeout=60, module=trained)
     try:
         scheme.init_on_sender(model_id="policy", context=None)  # what a collector does with its schemes
         scheme.connect()  # joins the group as rank 0: returns once the server joined
         assert "weight group 127.0.0.1" in repr(scheme)
-        for version in range(1, final + 1):
+        for version in range(1, final):
             trainer = TensorDictModule(pw.make_net(version), in_keys=["observation"], out_keys=["logits"])
             assert scheme.send(trainer) == version
-        assert scheme.send() is None  # no weights given: a weight group has nothing of its own to send
+        assert scheme.send() == final  # no weights given (update_policy_weights_()): module='s current ones
         assert reached.wait(60)  # the server served the last version pushed
         stop.set()
         _rank, seen, monotonic, mismatches, served, _ = report(results, [server], timeout=60)
@@ -531,6 +532,11 @@ def test_a_weight_sync_scheme_with_an_address_pushes_to_a_server_process_over_th
         scheme.shutdown()
         server.join(30)
     assert monotonic and mismatches == 0 and served > 0 and seen[-1] == final
+    unaimed = BatchServeWeightSyncScheme(address="127.0.0.1", port=port, world_size=2)
+    with pytest.warns(UserWarning, match="nothing was sent"):  # no weights, and no module to take them from
+        assert unaimed.send() is None
+    with pytest.raises(ValueError, match="module= is for a weight group"):
+        BatchServeWeightSyncScheme(server=object(), module=trained)
 
 
 @pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector", "legacy weight_updater"])

@@ -57,12 +57,16 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         port: its port.
         world_size: the processes in the group (this trainer and the servers).
         timeout: seconds each step of a distributed push may take.
+        module: with a weight group, the trainer's policy: ``send()`` with no
+            weights pushes its current ones (a server in this process
+            pushes the module it was built with).
 
     ``send(weights)`` takes a policy module, a TensorDict
     (``TensorDict.from_module(policy)``) or a state_dict, and returns the new
     version. ``send()`` with no weights (e.g. ``update_policy_weights_()`` with
     no argument) serves the current weights of the module the server was
-    built with, the one a trainer trains in place.
+    built with, the one a trainer trains in place, or over a weight group
+    those of ``module``.
 
     Examples:
         >>> import torch
@@ -89,6 +93,7 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         port: int | None = None,
         world_size: int | None = None,
         timeout: float = 60.0,
+        module: Any = None,
     ) -> None:
         super().__init__(strategy="tensordict")
         distributed = (address, port, world_size)
@@ -98,7 +103,11 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
                 f"(a weight group); got server={server!r}, address={address!r}, port={port!r}, "
                 f"world_size={world_size!r}"
             )
+        if server is not None and module is not None:
+            raise ValueError("module= is for a weight group: a server in this process pushes the module it serves")
         self._server = server
+        self._module = module
+        self._warned = False
         self._rendezvous: tuple[str, int, int, float] | None = None
         if server is None:
             self._rendezvous = (str(address), int(port), int(world_size), timeout)  # type: ignore[arg-type]
@@ -126,14 +135,26 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         No weights (``update_policy_weights_()`` with no argument, or a
         RemotePolicy's empty ones): a server in this process serves the
         current weights of the module it was built with (the trainer's); a
-        weight group sends nothing.
+        weight group those of ``module``, or nothing (it warns, once).
         """
         if weights is not None:
             weights = as_weights(weights)
             if isinstance(weights, TensorDictBase) and weights.is_empty():
                 weights = None
         if weights is None:
-            return self._server.update_weights() if self._server is not None else None
+            if self._server is not None:
+                return self._server.update_weights()
+            if self._module is None:
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        "a weight group's scheme was given no weights and has no module= to take them from: "
+                        "nothing was sent. Pass update_policy_weights_(policy), or module=policy to the scheme",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                return None
+            weights = as_weights(self._module)
         return self.create_transport().send_weights(weights)
 
     def create_transport(self, **kwargs: Any) -> _ServerTransport:
@@ -160,6 +181,7 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_server"] = None  # workers get the receiver side only
+        state["_module"] = None
         state["_broadcaster"] = None
         return state
 
