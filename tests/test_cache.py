@@ -305,6 +305,24 @@ class Uncopyable(torch.nn.Linear):
         raise RuntimeError("no copies")
 
 
+def sign_key(td: TensorDict) -> int:
+    return int(td["observation"][0] > 0)
+
+
+def test_a_pickled_cache_is_a_new_empty_one_of_the_same_settings(policy):
+    import pickle
+
+    key = sign_key
+    cache = EvaluationCache(capacity=7, key_fn=key)
+    with BatchedPolicyServer(policy, cache=cache) as server:
+        server.remote_policy()(obs(0))
+        copy = pickle.loads(pickle.dumps(cache))  # as serve_on_ray ships it to the server actor
+    assert (copy.capacity, copy.key_fn, len(copy), len(cache)) == (7, key, 0, 1)
+    with BatchedPolicyServer(policy, cache=copy) as server:  # its own server's, not the first one's
+        server.remote_policy()(obs(0))
+        assert server.statistics().cache_misses == 1
+
+
 def test_a_cache_serves_one_server_only(policy):
     cache = EvaluationCache()
     with pytest.raises(TypeError, match="cannot be copied"):  # a server refused after its checks takes no cache

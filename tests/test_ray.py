@@ -21,6 +21,7 @@ ray = pytest.importorskip("ray")
 from ray import cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from torchrl_batchserve import EvaluationCache  # noqa: E402
 from torchrl_batchserve.errors import ServerBrokenError, WeightSyncError  # noqa: E402
 from torchrl_batchserve.ray import RayServer, push_weights, serve_on_ray  # noqa: E402
 
@@ -209,6 +210,16 @@ def test_actors_on_two_nodes_and_the_driver_get_exact_results(cluster):
             torch.testing.assert_close(act, reference(None, x))
         assert handle.statistics().rows == 4 * 25 + 8 + 8 + 5
         assert handle.close()  # the serve loops stopped (the block's own close is then a no-op)
+
+
+def test_a_server_actor_serves_with_the_evaluation_cache_it_was_given(cluster):
+    # The cache travels among the server keywords as a new empty one of the same settings.
+    with served(cache=EvaluationCache(100)) as handle:
+        remote = handle.remote_policy()
+        x = observation(0, 0)
+        first, again = remote(TensorDict(obs=x)), remote(TensorDict(obs=x))
+        torch.testing.assert_close(again["act"], reference(None, x))
+        assert torch.equal(first["act"], again["act"]) and handle.statistics().cache_hits == 1
 
 
 def test_each_gateway_batch_reaches_the_server_as_one_request(cluster):

@@ -161,6 +161,11 @@ class EvaluationCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __reduce__(self) -> tuple:
+        # Pickled (e.g. among serve_on_ray's server keywords): a new empty cache of the same settings,
+        # for the server on the other side; entries are only ever its own server's.
+        return EvaluationCache, (self.capacity, self.key_fn)
+
     def keys_of(self, request: Request) -> list[Hashable]:
         """The key of each row of ``request`` (with its interaction type: a
         deterministic and a sampled evaluation of one row are not the same)."""
