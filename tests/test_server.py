@@ -550,6 +550,11 @@ def test_queue_full_is_refused_at_once():
         ({"input_spec": {"observation": 8}}, "input_spec must be a torchrl.data.Composite or a TensorDict"),
         ({"static_batch_size": 0}, r"static_batch_size must be an int >= 1 \(got 0\)"),
         ({"max_batch_size": 8, "static_batch_size": 4}, r"static_batch_size must be >= max_batch_size=8: .* \(got 4\)"),
+        ({"policy_version_key": "logits"}, r"policy_version_key='logits' is one of the policy's out_keys: the stamp"),
+        (
+            {"policy_version_key": ("observation",)},
+            r"policy_version_key=\('observation',\) is one of the policy's in_keys",
+        ),
     ],
 )
 def test_constructor_validates_arguments(policy, kwargs, message):

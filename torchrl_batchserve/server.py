@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase, dispatch
-from tensordict.utils import NestedKey, unravel_key_list
+from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 
 from torchrl_batchserve.cache import EvaluationCache, sampling_modes
@@ -266,6 +266,13 @@ class BatchedPolicyServer(TensorDictModule):
             _check_int("max_batch_cost", max_batch_cost, 1)
             if not callable(cost_fn):
                 raise ValueError(f"cost_fn must be callable as cost_fn(td) -> int (got {cost_fn!r})")
+        if policy_version_key is not None:
+            for kind in ("out_keys", "in_keys"):
+                if unravel_key(policy_version_key) in unravel_key_list(list(getattr(policy, kind))):
+                    raise ValueError(
+                        f"policy_version_key={policy_version_key!r} is one of the policy's {kind}: the stamp would "
+                        "overwrite it in every result. Pass another key (or None for no stamp)"
+                    )
         if cache is not None and not isinstance(cache, EvaluationCache):
             raise TypeError(f"cache must be an EvaluationCache or None, got {type(cache).__name__}")
         devices = _devices(device)
