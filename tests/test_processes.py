@@ -452,6 +452,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_until(remote, version: int) -> None:
+    """Call ``remote`` until its results carry ``version`` (a push is received in a thread of the server)."""
+    wait_for(lambda: int(remote(TensorDict(observation=torch.ones(8)))["policy_version"]) == version, f"v{version}")
+
+
 def weight_group(server: BatchedPolicyServer) -> tuple:
     """A trainer's WeightBroadcaster (in a thread of this process) and ``server``'s receiver, joined."""
     from torchrl_batchserve import WeightBroadcaster
@@ -608,7 +613,7 @@ def test_a_push_that_loses_to_a_local_update_is_dropped_and_the_receiver_takes_t
         trainer.push(pushed, version=1)  # staged too late: dropped
         trainer.push(pushed, version=11)
         remote = server.remote_policy()
-        wait_for(lambda: int(remote(TensorDict(observation=torch.ones(8)))["policy_version"]) == 11, "version 11")
+        serve_until(remote, 11)
         out = remote(TensorDict(observation=torch.ones(8)))
         assert receiver.alive and receiver.error is None
         trainer.close()
@@ -622,7 +627,7 @@ def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps():
         trainer, receiver = weight_group(server)
         assert trainer.push(pw.make_net(5)) == 1  # its names lack the wrapper's "module."
         remote = server.remote_policy()
-        wait_for(lambda: int(remote(TensorDict(observation=torch.ones(8)))["policy_version"]) == 1, "version 1")
+        serve_until(remote, 1)
         out = remote(TensorDict(observation=torch.ones(8)))
         assert receiver.alive and receiver.error is None
         trainer.close()
@@ -640,7 +645,7 @@ def test_a_dead_trainer_leaves_the_server_serving_its_last_version():
         receiver = server.receive_weights("127.0.0.1", port, 1, 2, timeout=30)
         assert pushed.wait(60)
         remote = server.remote_policy()
-        wait_for(lambda: int(remote(TensorDict(observation=torch.ones(8)))["policy_version"]) == 1, "version 1")
+        serve_until(remote, 1)
         pw.kill(trainer.pid)
         trainer.join(10)
         wait_for(lambda: not receiver.alive, "the receiver to notice the trainer is gone")
