@@ -785,9 +785,20 @@ def _tasks_on_lanes(tasks: int = 8):
     remote = pickle.loads(pickle.dumps(server.remote_policy()))  # a client of the hub, as in a worker
 
     async def warm_up() -> None:
-        for _ in range(20):  # each round offers a lane to the tasks that found none free
+        hub = server._endpoint.lazy_hub.hub
+        for _ in range(5):  # each round offers a lane to the tasks that found none free
+            before = sum(hub.arrived.values())
+            hold.set()  # all of the round's requests in flight at once, as the hub counts them for its offers
             calls = asyncio.gather(*(remote.acall(TensorDict(observation=torch.zeros(8))) for _ in range(tasks)))
+            deadline = time.monotonic() + 30
+            while sum(hub.arrived.values()) - before < tasks:
+                assert time.monotonic() < deadline, "the round's requests never reached the hub"
+                await asyncio.sleep(0.001)
+            hold.clear()
+            release.set()
             await asyncio.wait_for(calls, 30)  # a reply nobody reads fails here, not by hanging
+            entered.clear()
+            release.clear()
             if len(remote._endpoint._lanes) >= tasks:
                 return
         raise AssertionError("the hub never offered a lane per task")
