@@ -12,6 +12,7 @@ import queue
 import socket
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import process_workers as pw
@@ -132,7 +133,7 @@ def test_a_connected_client_inherited_by_fork_connects_anew_in_the_child():
         torch.testing.assert_close(mine["logits"], net(torch.ones(8)))
 
 
-def test_pickled_copies_are_separate_clients():
+def test_pickled_copies_are_separate_clients_and_close_their_connections_when_dropped():
     before = slot_mappings()
     policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy) as server:
@@ -145,8 +146,12 @@ def test_pickled_copies_are_separate_clients():
             torch.testing.assert_close(tb["logits"], policy.module(torch.ones(8)))
             torch.testing.assert_close(ta["logits"], policy.module(torch.zeros(8)))
         assert slot_mappings() > before  # each client: its bells, headers and a lane, mapped on both sides
-    del a, b, ta, tb
-    gc.collect()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del a, b, ta, tb
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]  # closed, not left to the GC
+        wait_for(lambda: server._endpoint.lazy_hub.hub.clients == 0, "the hub to drop the closed clients")
     assert slot_mappings() == before  # anonymous memory files: nothing named to leak, nothing left once unused
 
 

@@ -129,7 +129,8 @@ class ProcessClient:
                 sock.settimeout(None)
                 self._headers = Headers.attach(conn.take_fd())
                 self._bells = conn.take_fd(), conn.take_fd()
-                self._release = weakref.finalize(self, _close_fds, self._bells)  # the bells go with the client
+                # the socket and the bells go with the client
+                self._release = weakref.finalize(self, _close_fds, self._bells, conn)
             except (OSError, EOFError) as err:
                 (sock if conn is None else conn).close()  # the wire closes descriptors it received, not taken
                 self._closed = True
@@ -391,10 +392,8 @@ class ProcessClient:
 
     def _forget(self) -> None:
         """In a forked child: drop the parent's connection (its descriptors closed), connect anew on use."""
-        conn, release = self._conn, self._release
+        release = self._release
         self._reset()  # the parent's lock may have been held by another thread at the fork
-        if conn is not None:
-            conn.sock.close()
         release()
 
 
@@ -423,7 +422,8 @@ def _set_result(waiter: tuple[Any, Any, TensorDictBase], reply: tuple[Any, Any, 
         pass  # cancelled a moment ago: nobody waits
 
 
-def _close_fds(fds: tuple[int, ...]) -> None:
+def _close_fds(fds: tuple[int, ...], conn: Wire) -> None:
+    conn.close()
     for fd in fds:
         try:
             os.close(fd)
