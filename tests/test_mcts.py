@@ -228,6 +228,9 @@ def test_result_target_temperature_noise_and_value():
     assert -1 <= float(out["value"]) <= 1
     warm = search.run(tree, 60, temperature=1.0)
     assert torch.allclose(warm["policy"], warm["visits"].float() / 120)
+    cold = search.run(tree, 60, temperature=1e-3)  # visits ** 1000 would overflow: near-greedy, as 0 is
+    assert torch.isfinite(cold["policy"]).all() and float(cold["policy"].max()) > 0.99
+    assert int(cold["policy"].argmax()) == int(cold["visits"].argmax()) == int(cold["action"])
     priors = list(tree.root.priors)
     fresh = search.tree(env.reset())
     plain = search.run(fresh, 60).get("visits")
@@ -376,6 +379,9 @@ def test_bad_arguments_and_outputs_are_refused_by_name():
     search = TreeSearch(env, make_policy())
     with pytest.raises(ValueError, match=r"simulations must be an int >= 1 \(got 0\)"):
         search.run(search.tree(env.reset()), 0)
+    for temperature in (-1.0, math.nan, math.inf):  # an inverted target; no target; illegal moves in it
+        with pytest.raises(ValueError, match=rf"temperature must be a finite number >= 0 \(got {temperature}\)"):
+            search.run(search.tree(env.reset()), 3, temperature=temperature)
     no_value = TreeSearch(env, lambda td: td.set("logits", torch.zeros(9)), observation_keys=["board"])
     with pytest.raises(SearchError, match="the policy's output has no 'value'"):
         no_value.run(no_value.tree(env.reset()), 3)

@@ -385,7 +385,7 @@ class TreeSearch:
                 The search stopped, every walk in flight finished, and the
                 tree holds the walks that completed, none left in flight.
         """
-        request = self._check(tree, simulations)
+        request = self._check(tree, simulations, temperature)
         with torch.no_grad():
             try:
                 out = None if request is None else self.policy(request)
@@ -411,7 +411,7 @@ class TreeSearch:
         acall = getattr(self.policy, "acall", None)
         if acall is None:
             raise TypeError(f"arun needs a policy with acall (a RemotePolicy); got {type(self.policy).__name__}")
-        request = self._check(tree, simulations)
+        request = self._check(tree, simulations, temperature)
         try:
             out = None if request is None else await acall(request)
         except Exception as err:
@@ -444,10 +444,12 @@ class TreeSearch:
             tree.root.priors = priors
         return self._result(tree, run, temperature)
 
-    def _check(self, tree: Tree, simulations: int) -> TensorDictBase | None:
+    def _check(self, tree: Tree, simulations: int, temperature: float) -> TensorDictBase | None:
         """Refuse a run that cannot be searched; the root's request when it is not expanded yet."""
         if not isinstance(simulations, int) or isinstance(simulations, bool) or simulations < 1:
             raise ValueError(f"simulations must be an int >= 1 (got {simulations!r})")
+        if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0 (got {temperature!r})")
         root = tree.root
         if root.terminal is not None or not any(root.legal):
             raise ValueError("the root is a finished game: there is nothing to search")
@@ -495,7 +497,7 @@ class TreeSearch:
             target = torch.zeros_like(visits)
             target[int(visits.argmax())] = 1.0
         else:
-            weights = visits ** (1.0 / temperature)
+            weights = (visits / visits.max()) ** (1.0 / temperature)  # near 0: the most visited, never inf
             target = weights / weights.sum()
         action = self.rng.choices(range(len(target)), weights=target.tolist())[0]
         return TensorDict(
