@@ -374,8 +374,14 @@ def test_bad_arguments_and_outputs_are_refused_by_name():
     env = TicTacToeEnv()
     with pytest.raises(ValueError, match=r"searchers must be an int >= 1 \(got 0\)"):
         TreeSearch(env, make_policy(), searchers=0)
-    with pytest.raises(ValueError, match=r"virtual_loss must be a number >= 0 \(got -1\)"):
+    with pytest.raises(ValueError, match=r"virtual_loss must be a finite number >= 0 \(got -1\)"):
         TreeSearch(env, make_policy(), virtual_loss=-1)
+    with pytest.raises(ValueError, match=r"virtual_loss must be a finite number >= 0 \(got inf\)"):
+        TreeSearch(env, make_policy(), virtual_loss=math.inf)  # a walk in flight made every score nan
+    with pytest.raises(ValueError, match=r"c_puct must be a finite number >= 0 \(got inf\)"):
+        TreeSearch(env, make_policy(), c_puct=math.inf)
+    with pytest.raises(ValueError, match=r"dirichlet_alpha must be a finite number > 0 \(got 0\)"):
+        TreeSearch(env, make_policy(), dirichlet_alpha=0)  # no Dirichlet noise has it
     search = TreeSearch(env, make_policy())
     with pytest.raises(ValueError, match=r"simulations must be an int >= 1 \(got 0\)"):
         search.run(search.tree(env.reset()), 0)

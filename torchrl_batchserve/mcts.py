@@ -142,7 +142,7 @@ class TreeSearch:
         reward_key: the mover's reward in the step's ``"next"``; ``"{turn}"``
             in its strings becomes the mover's turn. Default
             ``("player{turn}", "reward")``.
-        dirichlet_alpha (float, optional): AlphaZero's exploration noise at the
+        dirichlet_alpha (float): AlphaZero's exploration noise at the
             root for runs with ``noise=True``. Default 1.0.
         dirichlet_eps (float): the weight of that noise. Default 0.25.
         seed (int, optional): seeds the noise and the sampled actions.
@@ -192,9 +192,11 @@ class TreeSearch:
         for name, value in (("searchers", searchers), ("leaves_per_request", leaves_per_request)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
-        for name, number in (("virtual_loss", virtual_loss), ("c_puct", c_puct), ("dirichlet_alpha", dirichlet_alpha)):
-            if not number >= 0:
-                raise ValueError(f"{name} must be a number >= 0 (got {number!r})")
+        for name, number in (("virtual_loss", virtual_loss), ("c_puct", c_puct)):
+            if not (isinstance(number, (int, float)) and 0 <= number < math.inf):
+                raise ValueError(f"{name} must be a finite number >= 0 (got {number!r})")
+        if not (isinstance(dirichlet_alpha, (int, float)) and 0 < dirichlet_alpha < math.inf):
+            raise ValueError(f"dirichlet_alpha must be a finite number > 0 (got {dirichlet_alpha!r})")
         if not 0 <= dirichlet_eps <= 1:
             raise ValueError(f"dirichlet_eps must be in [0, 1] (got {dirichlet_eps!r})")
         self.env = env
