@@ -271,6 +271,34 @@ def test_a_policy_that_raises_mid_search_ends_it_with_a_typed_error(searchers):
     assert search.run(tree, 5) is not None  # the tree and the search still work: later calls succeed
 
 
+class Diverged(torch.nn.Module):
+    """``Net``, but from its ``after``-th call on, the last row's logits (``"logits"``) or value (``"value"``) is nan."""
+
+    def __init__(self, key: str, after: int) -> None:
+        super().__init__()
+        self.net, self.key, self.after, self.calls = Net(), key, after, 0
+
+    def forward(self, board: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, value = self.net(board)
+        self.calls += 1
+        if self.calls >= self.after:
+            (logits if self.key == "logits" else value)[-1] = math.nan
+        return logits, value
+
+
+@pytest.mark.parametrize("key", ["logits", "value"])
+def test_a_policy_gone_nan_ends_the_search_by_name_leaving_no_walk_in_flight(key):
+    # nan scores made the selection pick index -1: an illegal move, or an index error, far from the cause.
+    env = TicTacToeEnv()
+    policy = TensorDictModule(Diverged(key, after=5), in_keys=["board"], out_keys=["logits", "value"])
+    search = TreeSearch(env, policy, searchers=2, leaves_per_request=4)
+    tree = search.tree(env.reset())
+    with pytest.raises(SearchError, match=f"'{key}'"):
+        search.run(tree, 200)
+    assert_consistent(tree.root, tree.root.total)  # the leaves before the bad one were not backed up alone
+    assert all(math.isfinite(w) for node in walk(tree.root) for w in node.win_count)
+
+
 class FailingEnv:
     """TicTacToe whose ``fail_at``-th step raises, or (``stuck``) whose steps lead nowhere without ending."""
 

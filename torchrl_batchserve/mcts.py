@@ -309,10 +309,12 @@ class TreeSearch:
         for node, action in path:
             node.pending[action] -= 1
 
-    @staticmethod
-    def _priors(logits: torch.Tensor, legal: list[bool]) -> list[float]:
+    def _priors(self, logits: torch.Tensor, legal: list[bool]) -> list[float]:
         mask = torch.tensor(legal)
-        return torch.softmax(logits.double().reshape(-1).masked_fill(~mask, -torch.inf), -1).tolist()
+        priors = torch.softmax(logits.double().reshape(-1).masked_fill(~mask, -torch.inf), -1)
+        if not bool(priors.isfinite().all()):  # (nan, or no legal move with a finite logit)
+            raise SearchError(f"the policy's {self.prior_key!r} give no distribution over the legal moves: {logits}")
+        return priors.tolist()
 
     def _request(self, leaves: list[Node]) -> TensorDictBase:
         if len(leaves) == 1 and self.leaves_per_request == 1:
@@ -328,7 +330,10 @@ class TreeSearch:
             raise SearchError(
                 f"{self.value_key!r} must hold one value per leaf ({rows}), got shape {tuple(value.shape)}"
             )
-        return logits.reshape(rows, -1), value.reshape(-1).tolist()
+        values = value.reshape(-1).tolist()
+        if not all(math.isfinite(v) for v in values):
+            raise SearchError(f"{self.value_key!r} must be finite, got {values}")
+        return logits.reshape(rows, -1), values
 
     def _walker(self, tree: Tree, run: _Run) -> Walker:
         """Claim simulations and walk them, ``leaves_per_request`` leaves a request, until none are left."""
@@ -349,15 +354,16 @@ class TreeSearch:
                     continue
                 out = yield self._request([leaf for _, leaf in walks])
                 logits, values = self._read(out, len(walks))
+                priors = [self._priors(row, leaf.legal) for (_, leaf), row in zip(walks, logits)]
             except BaseException:  # an env step or the evaluation failed: no walk stays in flight
                 with tree.lock:
                     for path, _ in walks:
                         self._undo(path)
                 raise
             with tree.lock:
-                for (path, leaf), row, value in zip(walks, logits, values):
+                for (path, leaf), leaf_priors, value in zip(walks, priors, values):
                     if leaf.priors is None:  # another walk may have expanded it meanwhile
-                        leaf.priors = self._priors(row, leaf.legal)
+                        leaf.priors = leaf_priors
                     self._backup(path, value)
 
     # -- running searches -----------------------------------------------------------------------
@@ -382,7 +388,8 @@ class TreeSearch:
 
         Raises:
             SearchError: a leaf evaluation failed (the server closed, the
-                policy raised) or an env step did (chained as ``__cause__``),
+                policy raised, or returned a value or logits that are not
+                finite) or an env step did (chained as ``__cause__``),
                 or a step led to a state with no legal move that is not done.
                 The search stopped, every walk in flight finished, and the
                 tree holds the walks that completed, none left in flight.
