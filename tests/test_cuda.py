@@ -139,8 +139,11 @@ def test_worker_process_clients_of_a_server_whose_outputs_stay_on_cuda():
         )
 
 
-def test_replicas_on_cuda_devices_serve_exact_results_and_every_push():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_replicas_on_cuda_devices_serve_exact_results_and_every_push(mixed):
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] * (2 if torch.cuda.device_count() == 1 else 1)
+    if mixed:  # a CPU replica reads the pushes staged on the first device
+        devices = [devices[0], "cpu"]
     net, cpu_net = make_mlp(), make_mlp()
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy, device=devices, max_batch_size=4, timeout=0.001) as server:
@@ -150,7 +153,9 @@ def test_replicas_on_cuda_devices_serve_exact_results_and_every_push():
                 for p_cpu, p in zip(cpu_net.parameters(), net.parameters()):
                     p.add_(0.1)
                     p_cpu.copy_(p)
-            assert server.update_weights() == version
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):  # staged on a stream of the pusher's own: replicas wait for its copies
+                assert server.update_weights() == version
             futures = [remote.submit(TensorDict(observation=torch.randn(8))) for _ in range(32)]
             for td in (f.result(30) for f in futures):
                 assert int(td["policy_version"]) == version and td["logits"].device.type == "cpu"

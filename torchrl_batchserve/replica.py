@@ -9,7 +9,8 @@ On CUDA, a batch's host-to-device copies, its forward, the copy of its
 outputs to the output device and weight applies are all queued on the
 replica's own stream, ordered with events: the stream waits for the device's
 default stream (where actors made their tensors) and for the snapshot's
-event before it reads them, and the serve loop waits for the stream alone
+event before it reads them (a CPU replica of such a server waits for that
+event on the host), and the serve loop waits for the stream alone
 (never ``torch.cuda.synchronize()``, which would also wait for a trainer's
 kernels on the same GPU) before it hands results out. Results left on the
 device are marked as used on the callers' stream (``record_stream``): a
@@ -101,6 +102,8 @@ class Replica:
         if snapshot.version == self.version or snapshot.tensors is None:
             return
         with self.on_stream(), torch.no_grad():
+            if self._stream is None and snapshot.ready is not None:
+                snapshot.ready.synchronize()  # a CPU replica of a server whose snapshots are on CUDA
             if self._stream is not None:
                 if snapshot.ready is not None:
                     self._stream.wait_event(snapshot.ready)
