@@ -176,6 +176,27 @@ def test_nested_and_non_tensor_inputs_are_keyed_by_their_content():
         assert server.statistics().cache_hits == 3
 
 
+class PlusTurn(torch.nn.Module):
+    def forward(self, observation: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
+        return observation.sum(-1, keepdim=True) + turn.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bool])
+def test_a_scalar_input_per_row_is_keyed(dtype):
+    # A 0-dim row (a player to move, a step count) could not be viewed as bytes: every request failed.
+    policy = TensorDictModule(PlusTurn(), in_keys=["observation", "turn"], out_keys=["y"])
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        x = torch.ones(2)
+        one, zero = torch.ones((), dtype=dtype), torch.zeros((), dtype=dtype)
+        assert remote(TensorDict(observation=x, turn=one))["y"].tolist() == [3]
+        assert remote(TensorDict(observation=x, turn=zero))["y"].tolist() == [2]  # another row, not a hit
+        rows = TensorDict(observation=x.expand(2, 2), turn=torch.stack([zero, one]), batch_size=[2])
+        assert remote(rows)["y"].tolist() == [[2], [3]]  # each row found in the cache
+        stats = server.statistics()
+        assert (stats.cache_hits, stats.requests) == (1, 2)  # answered at submit
+
+
 def test_an_input_the_cache_cannot_key_is_refused_naming_key_fn():
     policy = TensorDictModule(lambda x, fn: x, in_keys=["x", "fn"], out_keys=["y"])
     with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:

@@ -87,7 +87,7 @@ def _feed(h: Any, value: Any) -> None:
         if t.device.type != "cpu":
             t = t.cpu()
         h.update(f"tensor{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     elif is_non_tensor(value):
         _feed(h, value.tolist())
     elif isinstance(value, TensorDictBase):
