@@ -214,6 +214,20 @@ def test_key_fn_names_the_row(policy):
     assert torch.equal(a["logits"], b["logits"]) and not torch.equal(b["logits"], c["logits"])
 
 
+def test_a_tensor_key_from_key_fn_is_keyed_by_its_value_and_an_unhashable_one_is_refused(policy):
+    # td["board_id"] itself hashes by identity: every row missed, silently.
+    with BatchedPolicyServer(policy, cache=EvaluationCache(key_fn=lambda td: td["board_id"])) as server:
+        remote = server.remote_policy()
+        a = remote(obs(0).set("board_id", torch.tensor(5)))
+        b = remote(obs(1).set("board_id", torch.tensor(5)))
+        c = remote(obs(1).set("board_id", torch.tensor(6)))
+        assert server.statistics().cache_hits == 1
+    assert torch.equal(a["logits"], b["logits"]) and not torch.equal(b["logits"], c["logits"])
+    with BatchedPolicyServer(policy, cache=EvaluationCache(key_fn=lambda td: [1, 2])) as server:
+        with pytest.raises(BadRequestError, match=r"key_fn must return a hashable key, got list: \[1, 2\]"):
+            server.remote_policy()(obs(0))
+
+
 def test_key_fn_gets_each_row_of_a_multi_row_request(policy, net):
     seen: list = []
 

@@ -110,8 +110,9 @@ class EvaluationCache:
 
     Args:
         capacity: the most rows kept (least recently used go first).
-        key_fn: ``key_fn(td) -> hashable`` for a single-row request ``td``;
-            default: a 128-bit digest of the bytes of the policy's in_keys.
+        key_fn: ``key_fn(td) -> hashable`` for a single-row request ``td``
+            (a tensor it returns is keyed by its content); default: a
+            128-bit digest of the bytes of the policy's in_keys.
             Two rows with one key must be the same input: the cache returns
             the outputs of either for both.
 
@@ -171,12 +172,23 @@ class EvaluationCache:
         deterministic and a sampled evaluation of one row are not the same)."""
         mode = request.interaction
         if not request.batch_shape:
-            key = self.key_fn(request.td) if self.key_fn is not None else digest(request.inputs)
+            key = self._user_key(request.td) if self.key_fn is not None else digest(request.inputs)
             return [(mode, key)]
         if self.key_fn is not None:
-            return [(mode, self.key_fn(row)) for row in request.td.reshape(-1).unbind(0)]
+            return [(mode, self._user_key(row)) for row in request.td.reshape(-1).unbind(0)]
         rows = [[v[i] for v in request.inputs] for i in range(request.rows)]  # tensors, TensorDicts, non-tensor
         return [(mode, digest(row)) for row in rows]
+
+    def _user_key(self, row: TensorDictBase) -> Hashable:
+        """``key_fn(row)``; a tensor it returns (e.g. ``td["hash"]``, which hashes by identity) keyed by content."""
+        key = self.key_fn(row)  # type: ignore[misc]
+        if isinstance(key, (torch.Tensor, TensorDictBase)):
+            return digest([key])
+        try:
+            hash(key)
+        except TypeError:
+            raise BadRequestError(f"key_fn must return a hashable key, got {type(key).__name__}: {key!r}") from None
+        return key
 
     def admit(self, request: Request, version: int) -> tuple[str, Sequence[Any] | None]:
         """At submit: ``(HIT, values)``, ``(JOINED, None)`` or ``(LEAD, None)``.
