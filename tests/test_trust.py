@@ -445,13 +445,15 @@ class Slow(TensorDictModuleBase):
 
 def test_the_wait_for_another_interaction_type_is_no_part_of_a_forwards_time():
     # Each forward takes 0.4 s, within forward_timeout=0.7; the DETERMINISTIC batch waits up to 0.4 s at the
-    # gate first. Counted from before that wait, it would break the server though no forward ran long.
+    # gate first. Counted from before that wait, it would break the server though no forward ran long, and the
+    # statistics would report a 0.8 s forward.
     slow = Slow()
     with BatchedPolicyServer(slow, device=["cpu", "cpu"], max_batch_size=1, forward_timeout=0.7) as server:
         first = server.submit(obs(), interaction=InteractionType.RANDOM)
         assert slow.random_entered.wait(10)
         second = server.submit(obs(), interaction=InteractionType.DETERMINISTIC)
         assert first.result(10)["logits"].shape == second.result(10)["logits"].shape == (3,)
+        assert server.statistics().forward_p99 < 0.7
 
 
 def test_a_batch_waiting_for_its_interaction_type_fails_when_a_forward_times_out():

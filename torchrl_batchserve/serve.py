@@ -377,7 +377,7 @@ class Serving:
         rows = sum(r.rows for r in group)
         now, start = time.monotonic(), time.perf_counter()
         try:
-            columns = self._run(replica, group, rows)
+            columns, start = self._run(replica, group, rows, start)
         except Exception as err:  # the policy's or the collate's: this batch only
             outcome: Outcome = (group, None, err)
         else:
@@ -393,12 +393,15 @@ class Serving:
         self.stats.batch(len(group), rows, reason.value, waits, time.perf_counter() - start, outcome[2] is None)
         return outcome
 
-    def _run(self, replica: Replica, group: list[Request], rows: int) -> Sequence[Sequence[Any]]:
+    def _run(self, replica: Replica, group: list[Request], rows: int, start: float) -> tuple[Any, float]:
+        """The columns of ``group``'s outputs, and ``start`` moved on by the time it waited at the gate."""
         batch = self.collate.collate(group, self.layout.keys)
         foreign = replica.foreign | {t.untyped_storage().data_ptr() for t in batch.values(True, True)}
         packed = not batch.batch_dims  # a packed batch has no rows: its collate checks its outputs
+        gate = time.perf_counter()
         with self.interaction.under(group[0].interaction):
-            if self._watchdog is not None:  # from here: waiting for the gate is no part of a forward's time
+            start += time.perf_counter() - gate  # waiting for the gate is no part of a forward's time
+            if self._watchdog is not None:
                 self._watchdog.start(replica.index, group)
             output = replica.forward(batch, rows, self.max_batch_size, self.static_batch_size)
         self._check(output, None if packed else rows)
@@ -409,7 +412,7 @@ class Serving:
         if self.version_key is not None:
             stamp = torch.full((rows,), replica.version, dtype=torch.long, device=device or output.device)
             output.set(self.version_key, stamp)
-        return self.collate.split(output, group, self.delivered)
+        return self.collate.split(output, group, self.delivered), start
 
     def _check(self, output: Any, rows: int | None) -> None:
         """Raise :class:`PolicyError` unless ``output`` holds every out_key with ``rows`` rows."""
