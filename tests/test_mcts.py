@@ -240,6 +240,18 @@ def test_result_target_temperature_noise_and_value():
     assert not torch.equal(plain, noisy)  # the noise changed where the walks went, not the priors kept
 
 
+def test_root_noise_with_a_tiny_alpha_puts_its_weight_on_one_legal_move():
+    # gammavariate(0.001) is 0.0 about half the time: all eight draws at once (run 307 of this seed) divided by 0.
+    env = TicTacToeEnv()
+    search = TreeSearch(env, make_policy(), dirichlet_alpha=1e-3, dirichlet_eps=1.0, seed=0)
+    state = env.step(env.reset().set("action", torch.tensor(4)))["next"].select("board", "turn", "mask")
+    for _ in range(400):
+        tree = search.tree(state)
+        search.run(tree, 1, noise=True)  # the noisy priors are put back after the run: look at the walk
+        [action] = [a for a, n in enumerate(tree.root.visits) if n]
+        assert tree.root.legal[action]
+
+
 def test_a_search_takes_an_immediate_win_and_blocks_a_loss():
     env = TicTacToeEnv()
 

@@ -474,6 +474,8 @@ class TreeSearch:
         assert priors is not None
         if noise:
             gammas = [self.rng.gammavariate(self.dirichlet_alpha, 1.0) if legal else 0.0 for legal in root.legal]
+            if not any(gammas):  # every draw underflowed (alpha ~0.001): the noise is all on one move
+                gammas[self.rng.choice([a for a, legal in enumerate(root.legal) if legal])] = 1.0
             eps, total = self.dirichlet_eps, sum(gammas)
             root.priors = [(1 - eps) * p + eps * g / total for p, g in zip(priors, gammas)]
         return priors
