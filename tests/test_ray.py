@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 from ray import cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from torchrl_batchserve import EvaluationCache  # noqa: E402
+from torchrl_batchserve import EvaluationCache, LengthCost, PadCollate  # noqa: E402
 from torchrl_batchserve.errors import ServerBrokenError, WeightSyncError  # noqa: E402
 from torchrl_batchserve.ray import RayServer, push_weights, serve_on_ray  # noqa: E402
 
@@ -76,6 +76,22 @@ class PendulumNet(torch.nn.Module):
         return self.linear(torch.stack([th, thdot], -1))
 
 
+class MaskedMean(torch.nn.Module):
+    """``factory``'s linear layer on the mean of a sequence's real elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, obs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.linear((obs * mask.unsqueeze(-1)).sum(-2) / mask.sum(-1, keepdim=True))
+
+
+def padded_factory() -> TensorDictModule:
+    return TensorDictModule(MaskedMean(), in_keys=["obs", "mask"], out_keys=["act"])
+
+
 def slow_factory() -> TensorDictModule:
     return TensorDictModule(SlowLinear(), in_keys=["obs"], out_keys=["act"])
 
@@ -113,6 +129,12 @@ class Actor:
             return [(x, td["act"]) for x, td in zip(xs, tds)]
 
         return asyncio.run(main())
+
+    def sequences(self, n: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``n`` requests in flight at once, each ``length`` copies of one observation."""
+        xs = [observation(self.index, i) for i in range(n)]
+        futures = [self.remote.submit(TensorDict(obs=x.expand(length, 4).clone())) for x in xs]
+        return [(x, f.result(timeout=60)["act"]) for x, f in zip(xs, futures)]
 
     def until_error(self, seconds: float) -> tuple[str, float]:
         """Call until a call fails; the error's class and when it came."""
@@ -234,6 +256,17 @@ def test_each_gateway_batch_reaches_the_server_as_one_request(cluster):
         assert sum(g.batches for g in gateways.values()) == stats.requests
         assert sum(g.rows for g in gateways.values()) == stats.rows == 6 * 20
         assert all(g.requests == 3 * 20 for g in gateways.values())
+
+
+def test_gateways_of_a_padded_server_with_a_cost_bound_serve_its_requests(cluster):
+    # A gateway asked its node's actors for the mask the server's collate writes (refused: missing), and its
+    # batches, one request each at the server, could cost more than max_batch_cost (refused too).
+    kwargs = {"collate": PadCollate(["obs"]), "cost_fn": LengthCost("obs"), "max_batch_cost": 20}
+    with served(padded_factory, max_batch_size=16, timeout=0.01, **kwargs) as handle:
+        actors = spread(handle.remote_policy(), 2)
+        for x, act in [row for rows in ray.get([a.sequences.remote(12, 3) for a in actors]) for row in rows]:
+            torch.testing.assert_close(act, reference(None, x))
+        assert handle.statistics().rows == 2 * 12
 
 
 def test_versions_are_exact_across_pushes_and_a_bad_push_changes_nothing(cluster):

@@ -346,6 +346,7 @@ class _ServerActor:
             self._waiting_for_weights = bool(context.was_current_actor_reconstructed)
         version = self._server.policy_version_key
         self._returned = list(self._server.out_keys) + ([version] if version is not None else [])
+        self._request_keys = list(self._server._serving.layout.keys)  # in_keys but those the collate writes
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener((ray.util.get_node_ip_address(), 0), authkey=self._authkey)
         threading.Thread(target=self._accept, name="batchserve-ray-accept", daemon=True).start()
@@ -371,6 +372,8 @@ class _ServerActor:
                 kwargs = {
                     "max_batch_size": self._server.max_batch_size,
                     "timeout": self._server.timeout,
+                    "cost_fn": self._server.cost_fn,  # a gateway batch, one request here, fits max_batch_cost
+                    "max_batch_cost": self._server.max_batch_cost,
                     "device": ["cpu"] * self._gateway_depth,  # one serve loop per batch in flight
                     "policy_version_key": None,  # the server's stamps come through as outputs
                 }
@@ -378,7 +381,7 @@ class _ServerActor:
                 gateway: Any = (
                     ray.remote(_Gateway)
                     .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                    .remote(link, self._server.in_keys, self._returned, kwargs)
+                    .remote(link, self._request_keys, self._returned, kwargs)
                 )
                 try:
                     self._gateways[node] = (gateway, ray.get(gateway.remote_policy.remote()))
