@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 
 import pytest
@@ -226,6 +227,16 @@ def test_a_tensor_key_from_key_fn_is_keyed_by_its_value_and_an_unhashable_one_is
     with BatchedPolicyServer(policy, cache=EvaluationCache(key_fn=lambda td: [1, 2])) as server:
         with pytest.raises(BadRequestError, match=r"key_fn must return a hashable key, got list: \[1, 2\]"):
             server.remote_policy()(obs(0))
+
+
+@pytest.mark.parametrize("path", ["thread", "worker"])
+def test_a_key_fn_reading_an_entry_that_does_not_travel_is_a_bad_request_on_every_path(policy, path):
+    # From a worker process only the policy's entries travel: a key_fn reading another one raised a bare KeyError.
+    with BatchedPolicyServer(policy, cache=EvaluationCache(key_fn=lambda td: int(td["hash"]))) as server:
+        remote = server.remote_policy()
+        remote = remote if path == "thread" else pickle.loads(pickle.dumps(remote))
+        with pytest.raises(BadRequestError, match=r"key_fn failed on a row of entries \['observation'\]: KeyError"):
+            remote(obs(0))
 
 
 def test_key_fn_gets_each_row_of_a_multi_row_request(policy, net):

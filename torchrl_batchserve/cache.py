@@ -112,7 +112,9 @@ class EvaluationCache:
         capacity: the most rows kept (least recently used go first).
         key_fn: ``key_fn(td) -> hashable`` for a single-row request ``td``
             (a tensor it returns is keyed by its content); default: a
-            128-bit digest of the bytes of the policy's in_keys.
+            128-bit digest of the bytes of the policy's in_keys. It should
+            read only those: from worker processes and other nodes nothing
+            else travels.
             Two rows with one key must be the same input: the cache returns
             the outputs of either for both.
 
@@ -180,8 +182,14 @@ class EvaluationCache:
         return [(mode, digest(row)) for row in rows]
 
     def _user_key(self, row: TensorDictBase) -> Hashable:
-        """``key_fn(row)``; a tensor it returns (e.g. ``td["hash"]``, which hashes by identity) keyed by content."""
-        key = self.key_fn(row)  # type: ignore[misc]
+        """``key_fn(row)``; a tensor it returns (e.g. ``td["board"]``, which hashes by identity) keyed by content."""
+        try:
+            key = self.key_fn(row)  # type: ignore[misc]
+        except Exception as err:
+            raise BadRequestError(
+                f"key_fn failed on a row of entries {sorted(map(str, row.keys(True, True)))}: {err!r}. From worker "
+                "processes and other nodes a request carries only the entries the policy reads"
+            ) from err
         if isinstance(key, (torch.Tensor, TensorDictBase)):
             return digest([key])
         try:
