@@ -130,7 +130,7 @@ class ProcessClient:
                 self._headers = Headers.attach(conn.take_fd())
                 self._bells = conn.take_fd(), conn.take_fd()
                 # the socket and the bells go with the client
-                self._release = weakref.finalize(self, _close_fds, self._bells, conn)
+                self._release = weakref.finalize(self, _close_connection, self._bells, conn)
             except (OSError, EOFError) as err:
                 (sock if conn is None else conn).close()  # the wire closes descriptors it received, not taken
                 self._closed = True
@@ -422,9 +422,9 @@ def _set_result(waiter: tuple[Any, Any, TensorDictBase], reply: tuple[Any, Any, 
         pass  # cancelled a moment ago: nobody waits
 
 
-def _close_fds(fds: tuple[int, ...], conn: Wire) -> None:
+def _close_connection(bells: tuple[int, ...], conn: Wire) -> None:
     conn.close()
-    for fd in fds:
+    for fd in bells:
         try:
             os.close(fd)
         except OSError:
