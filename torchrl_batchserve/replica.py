@@ -102,11 +102,12 @@ class Replica:
         if snapshot.version == self.version or snapshot.tensors is None:
             return
         with self.on_stream(), torch.no_grad():
-            if self._stream is None and snapshot.ready is not None:
-                snapshot.ready.synchronize()  # a CPU replica of a server whose snapshots are on CUDA
-            if self._stream is not None:
-                if snapshot.ready is not None:
+            if snapshot.ready is not None:  # staged on CUDA: its copies are done first
+                if self._stream is None:
+                    snapshot.ready.synchronize()  # a CPU replica waits on the host
+                else:
                     self._stream.wait_event(snapshot.ready)
+            if self._stream is not None:
                 for value in snapshot.tensors.values(True, True):
                     if value.is_cuda:
                         value.record_stream(self._stream)  # not reused while this stream copies from it
