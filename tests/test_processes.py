@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import GatedPolicy, wait_for
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule
+from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
 from torch import nn
 
 from torchrl_batchserve import BatchedPolicyServer, ServerBrokenError, ServerClosedError
@@ -339,6 +339,31 @@ def test_workers_carry_their_interaction_type():
         worker.start()
         assert report(results, [worker]) == [1, 2]
         worker.join(30)
+
+
+def test_a_workers_submit_and_acall_run_under_the_type_in_effect_when_made():
+    # A request sent from the client's pool (no free lane yet) read the type there, after the caller's block ended.
+    policy = TensorDictModule(pw.ModeEcho(), in_keys=["observation"], out_keys=["mode"])
+    with BatchedPolicyServer(policy, policy_version_key=None) as server:
+        remote = pickle.loads(pickle.dumps(server.remote_policy()))  # a worker's client, not connected yet
+        with set_interaction_type(InteractionType.RANDOM):
+            futures = [remote.submit(TensorDict(observation=torch.ones(8))) for _ in range(4)]
+        assert [int(f.result(30)["mode"]) for f in futures] == [2] * 4
+
+        async def tasks() -> list:
+            with set_interaction_type(InteractionType.DETERMINISTIC):
+                calls = [asyncio.ensure_future(remote.acall(TensorDict(observation=torch.ones(8)))) for _ in range(4)]
+                await asyncio.sleep(0)  # each task made its request under DETERMINISTIC
+            return [int(td["mode"]) for td in await asyncio.gather(*calls)]
+
+        assert asyncio.run(tasks()) == [1] * 4
+        endpoint, pid = server._endpoint, server._endpoint._pid
+        endpoint._pid = -1  # as in a process forked from the server's: the endpoint goes through a client
+        try:
+            future = server.submit(TensorDict(observation=torch.ones(8)), interaction=InteractionType.RANDOM)
+            assert int(future.result(30)["mode"]) == 2  # the explicit type went along
+        finally:
+            endpoint._pid = pid
 
 
 @pytest.mark.parametrize("spec", [False, True])

@@ -36,6 +36,7 @@ from tensordict import TensorDictBase
 from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError
+from torchrl_batchserve.intake import CURRENT
 from torchrl_batchserve.layout import request_entries
 from torchrl_batchserve.request import write_outputs
 from torchrl_batchserve.transport.hub import ADMITTED, HANDSHAKE_TIMEOUT, REFUSED_BROKEN
@@ -138,9 +139,9 @@ class ProcessClient:
             self._conn = conn
         return self._conn
 
-    def call(self, td: TensorDictBase) -> TensorDictBase:
-        """Serve ``td`` and block until its outputs are written into it."""
-        conn, seq = self._send(td)  # type: ignore[misc]
+    def call(self, td: TensorDictBase, interaction: Any = CURRENT) -> TensorDictBase:
+        """Serve ``td`` and block until its outputs are written into it (``interaction``: default, the current)."""
+        conn, seq = self._send(td, _mode(interaction))  # type: ignore[misc]
         try:
             error, keys, values = self._wait(conn, seq)
         finally:
@@ -161,26 +162,26 @@ class ProcessClient:
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[TensorDictBase] = loop.create_future()
-        sent = self._send(td, (loop, future, td))
+        mode = interaction_type()  # now: another task may change it while this one waits for the pool
+        sent = self._send(td, mode, (loop, future, td))
         if sent is None:
-            return await asyncio.wrap_future(self._pool().submit(self.call, td))
+            return await asyncio.wrap_future(self._pool().submit(self.call, td, mode))
         try:
             return await future
         finally:
             with self._cond:
                 self._waiting.pop(sent[1], None)  # (cancelled: its reply is dropped when it comes)
 
-    def _send(self, td: TensorDictBase, task: Any = None) -> tuple[Wire, int] | None:
-        """Send ``td``'s request and register its waiter; ``(connection, seq)``.
+    def _send(self, td: TensorDictBase, mode: Any, task: Any = None) -> tuple[Wire, int] | None:
+        """Send ``td``'s request, to run under the interaction type ``mode``, and register its waiter.
 
-        ``task``: the waiter of a caller that does not block (an asyncio
+        Returns ``(connection, seq)``. ``task``: the waiter of a caller that does not block (an asyncio
         task, a ``submit``), which sends only through a free lane of a
         connected client (``None`` otherwise: the caller waits in :meth:`_wait`).
         """
         inputs = request_entries(td, self.in_keys)  # a bad request is refused here, with the hub's words
         batch_shape = tuple(td.batch_size)
         rows = td.batch_size.numel()
-        mode = interaction_type()
         with self._cond:
             if task is not None and self._conn is None and not self._closed:
                 return None  # connecting may block: the pool does it
@@ -379,15 +380,17 @@ class ProcessClient:
                 self._executor = ThreadPoolExecutor(max_workers=256, thread_name_prefix="batchserve-client")
             return self._executor
 
-    def submit(self, td: TensorDictBase) -> Future[TensorDictBase]:
+    def submit(self, td: TensorDictBase, interaction: Any = CURRENT) -> Future[TensorDictBase]:
         """Send ``td``; the Future resolves to it with its outputs written.
 
         Through a free lane it is sent at once and settled by the client's
-        reader; any other request is sent and waited for from a pool thread.
+        reader; any other request is sent and waited for from a pool thread,
+        under the interaction type in effect now (or ``interaction``).
         """
         future: Future[TensorDictBase] = Future()
-        if self._send(td, (None, future, td)) is None:
-            return self._pool().submit(self.call, td)
+        mode = _mode(interaction)
+        if self._send(td, mode, (None, future, td)) is None:
+            return self._pool().submit(self.call, td, mode)
         return future
 
     def _forget(self) -> None:
@@ -395,6 +398,11 @@ class ProcessClient:
         release = self._release
         self._reset()  # the parent's lock may have been held by another thread at the fork
         release()
+
+
+def _mode(interaction: Any) -> Any:
+    """The interaction type a request runs under: ``interaction``, or the one in effect for ``CURRENT``."""
+    return interaction_type() if interaction is CURRENT else interaction
 
 
 def _set_results(replies: list[Any]) -> None:

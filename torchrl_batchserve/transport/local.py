@@ -122,7 +122,7 @@ class LocalEndpoint:
     def submit(self, td: TensorDictBase, caller: Any = None, interaction: Any = CURRENT) -> Future[TensorDictBase]:
         """Enqueue ``td``; the Future resolves to ``td`` with its outputs written (``caller``: default, this thread)."""
         if not self._here():
-            return self._other_process().submit(td)
+            return self._other_process().submit(td, interaction)
         if caller is None:
             caller = threading.get_ident()
         request: FutureRequest = self._intake.request(FutureRequest, td, caller, interaction)
