@@ -146,3 +146,9 @@ def test_an_input_spec_in_yaml_fixes_the_layout_by_key_and_names_the_entry_it_ca
         build_server({"input_spec": {"th": {"shape": [], "dtype": "float99"}}}, make_policy())
     with pytest.raises(ValueError, match=r"input_spec entry 'th' must be a mapping, got \[1\]"):
         build_server({"input_spec": {"th": [1]}}, make_policy())
+    with pytest.raises(ValueError, match=r"entry 'th': unknown fields \['dtyp'\] \(it takes shape, dtype, device\)"):
+        build_server({"input_spec": {"th": {"shape": [], "dtyp": "int64"}}}, make_policy())  # not float32 silently
+    with pytest.raises(ValueError, match="entry 'th': shape must be a list of sizes >= 0, got 4"):
+        build_server({"input_spec": {"th": {"shape": 4}}}, make_policy())
+    with pytest.raises(ValueError, match="entry 'th': device 'gpu' is unusable here"):
+        build_server({"input_spec": {"th": {"shape": [], "device": "gpu"}}}, make_policy())

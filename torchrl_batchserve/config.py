@@ -213,12 +213,22 @@ def _sample(entries: dict, prefix: tuple = ()) -> TensorDict:
         if "shape" not in entry:
             sample[key] = _sample(entry, path)
             continue
+        name = ".".join(path)
+        unknown = sorted(set(entry) - {"shape", "dtype", "device"})
+        if unknown:
+            raise ValueError(f"input_spec entry {name!r}: unknown fields {unknown} (it takes shape, dtype, device)")
+        shape = entry["shape"]
+        if not isinstance(shape, list | tuple) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"input_spec entry {name!r}: shape must be a list of sizes >= 0, got {shape!r}")
         dtype = getattr(torch, str(entry.get("dtype", "float32")).removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(
-                f"input_spec entry {'.'.join(path)!r}: dtype must name a torch dtype, got {entry['dtype']!r}"
-            )
-        sample[key] = torch.zeros(tuple(entry["shape"]), dtype=dtype, device=entry.get("device", "cpu"))
+            raise ValueError(f"input_spec entry {name!r}: dtype must name a torch dtype, got {entry['dtype']!r}")
+        try:
+            device = torch.device(entry.get("device", "cpu"))
+            sample[key] = torch.zeros(tuple(shape), dtype=dtype, device=device)
+        except (RuntimeError, AssertionError) as err:  # a bad name, or a device this build lacks
+            where = entry["device"]
+            raise ValueError(f"input_spec entry {name!r}: device {where!r} is unusable here ({err})") from None
     return sample
 
 
