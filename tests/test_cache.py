@@ -235,7 +235,7 @@ def test_a_key_fn_reading_an_entry_that_does_not_travel_is_a_bad_request_on_ever
     with BatchedPolicyServer(policy, cache=EvaluationCache(key_fn=lambda td: int(td["hash"]))) as server:
         remote = server.remote_policy()
         remote = remote if path == "thread" else pickle.loads(pickle.dumps(remote))
-        with pytest.raises(BadRequestError, match=r"key_fn failed on a row of entries \['observation'\]: KeyError"):
+        with pytest.raises(BadRequestError, match=r"key_fn failed on entries \['observation'\]: KeyError"):
             remote(obs(0))
 
 

@@ -206,6 +206,13 @@ def test_pad_constructor_errors_name_the_argument():
     policy = TensorDictModule(lambda obs: obs, in_keys=["obs"], out_keys=["out"])
     with pytest.raises(ValueError, match=r"varies \['tokens'\]; the policy reads \['obs'\]"):
         BatchedPolicyServer(policy, collate=PadCollate(["tokens"], mask_key=None))
+    # an output to cut that the policy does not write would never be cut: callers would get padding
+    with pytest.raises(ValueError, match=r"cuts \['logit'\]; the policy writes \['out'\]"):
+        BatchedPolicyServer(policy, collate=PadCollate(["obs"], mask_key=None, trim_keys=["logit"]))
+    with pytest.raises(ValueError, match=r"cuts \['score'\]; the policy writes \['out'\]"):
+        BatchedPolicyServer(
+            policy, collate=PackCollate(["obs"], offsets_key=None, segment_ids_key=None, element_keys=["score"])
+        )
 
 
 # -- packing -------------------------------------------------------------------------------
@@ -388,6 +395,23 @@ def test_a_cost_fn_returning_garbage_is_a_bad_request():
     with BatchedPolicyServer(policy, cost_fn=lambda td: "many", max_batch_cost=10) as server:
         with pytest.raises(BadRequestError, match="cost_fn must return an int >= 0 for each request, got 'many'"):
             server.remote_policy()(TensorDict(x=torch.ones(1)))
+
+
+@pytest.mark.parametrize("path", ["thread", "worker"])
+def test_a_cost_fn_that_raises_is_a_bad_request_naming_the_entries(path):
+    # it was a bare AttributeError/IndexError: LengthCost of a key the request lacks, or of a dim it lacks
+    policy = TensorDictModule(lambda x: x, in_keys=["x"], out_keys=["y"])
+    cases = [
+        (LengthCost("tokens"), r"LengthCost\('tokens', dim=0\): key 'tokens': expected a dim 0 .*, got nothing"),
+        (LengthCost("x", dim=1), r"key 'x': expected a dim 1 after the batch dims, got shape \(3,\)"),
+        (lambda td: int(td["hash"]), r"cost_fn failed on entries \['x'\]: KeyError"),
+    ]
+    for cost_fn, error in cases:
+        with BatchedPolicyServer(policy, cost_fn=cost_fn, max_batch_cost=10) as server:
+            remote = server.remote_policy()
+            remote = remote if path == "thread" else pickle.loads(pickle.dumps(remote))
+            with pytest.raises(BadRequestError, match=error):
+                remote(TensorDict(x=torch.ones(3)))
 
 
 # -- configuration ---------------------------------------------------------------------------

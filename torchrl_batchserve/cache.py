@@ -37,7 +37,7 @@ from tensordict.nn import InteractionType
 from torch import nn
 
 from torchrl_batchserve.errors import BadRequestError
-from torchrl_batchserve.layout import flat_rows, shaped_rows
+from torchrl_batchserve.layout import call_user_fn, flat_rows, shaped_rows
 from torchrl_batchserve.request import Request
 
 __all__ = ["EvaluationCache", "sampling_modes"]
@@ -183,13 +183,7 @@ class EvaluationCache:
 
     def _user_key(self, row: TensorDictBase) -> Hashable:
         """``key_fn(row)``; a tensor it returns (e.g. ``td["board"]``, which hashes by identity) keyed by content."""
-        try:
-            key = self.key_fn(row)  # type: ignore[misc]
-        except Exception as err:
-            raise BadRequestError(
-                f"key_fn failed on a row of entries {sorted(map(str, row.keys(True, True)))}: {err!r}. From worker "
-                "processes and other nodes a request carries only the entries the policy reads"
-            ) from err
+        key = call_user_fn("key_fn", self.key_fn, row)
         if isinstance(key, (torch.Tensor, TensorDictBase)):
             return digest([key])
         try:

@@ -8,8 +8,9 @@ A collate is any object with two methods (:class:`Collate`)::
 ``split`` gets the policy's output, or, when the results go to another device
 than the forward's, only the keys it is asked for. A collate may also declare
 ``provided_keys`` (policy in_keys the collate writes itself,
-which requests then need not carry) and ``variable_dims`` (feature dims that
-may differ between requests). :class:`StackCollate` is the default and the fast
+which requests then need not carry), ``variable_dims`` (feature dims that
+may differ between requests) and ``cut_keys`` (policy out_keys it cuts back
+to each request's own length). :class:`StackCollate` is the default and the fast
 path; :class:`FunctionCollate` adapts a TorchRL-style
 ``collate_fn(list[TensorDict]) -> TensorDict``.
 """

@@ -217,7 +217,7 @@ class Layout:
         return Validated(tuple(values), rows, batch_shape, device, cost, own)
 
     def _cost(self, td: TensorDictBase) -> int:
-        cost = self._cost_fn(td)  # type: ignore[misc]
+        cost = call_user_fn("cost_fn", self._cost_fn, td)
         if isinstance(cost, torch.Tensor) and cost.numel() == 1:
             cost = int(cost)
         if isinstance(cost, bool) or not isinstance(cost, int) or cost < 0:
@@ -242,6 +242,19 @@ class Layout:
         if key not in self._variable:
             return feature == expected
         return len(feature) == len(expected) and all(e is None or e == f for f, e in zip(feature, expected))
+
+
+def call_user_fn(name: str, fn: Any, td: TensorDictBase) -> Any:
+    """``fn(td)`` for a user's ``key_fn`` or ``cost_fn``; what it raises is a bad request naming ``td``'s entries."""
+    try:
+        return fn(td)
+    except BadRequestError:
+        raise
+    except Exception as err:
+        raise BadRequestError(
+            f"{name} failed on entries {sorted(map(str, td.keys(True, True)))}: {err!r}. From worker "
+            "processes and other nodes a request carries only the entries the policy reads"
+        ) from err
 
 
 def _check_plain(key: Any, value: Any) -> None:

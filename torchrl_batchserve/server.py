@@ -286,6 +286,10 @@ class BatchedPolicyServer(TensorDictModule):
         unread = [k for k in variable if k not in keys]
         if unread:
             raise ValueError(f"collate {collate!r} varies {unread}; the policy reads {keys} from requests")
+        out_keys = unravel_key_list(list(policy.out_keys))
+        unwritten = [k for k in getattr(collate, "cut_keys", ()) if k not in out_keys]
+        if unwritten:  # never cut: callers would get padded outputs
+            raise ValueError(f"collate {collate!r} cuts {unwritten}; the policy writes {out_keys}")
         specs = None if input_spec is None else layout_of(input_spec, keys, variable)
         check = getattr(collate, "check", None)
         layout = Layout(keys, variable, specs, check=check, cost_fn=cost_fn, max_cost=max_batch_cost)

@@ -160,6 +160,7 @@ class PadCollate:
             raise ValueError(f"pad_values names {unknown}, which are not among the padded keys {list(self.keys)}")
         self.provided_keys = frozenset() if self.mask_key is None else frozenset({self.mask_key})
         self.variable_dims = {key: (self.dim,) for key in self.keys}
+        self.cut_keys = self.trim_keys
 
     def check(self, keys: Sequence[Any], values: Sequence[Any], batch_dims: int) -> None:
         """Validation at submit: one length per request, within the largest bucket."""
@@ -294,6 +295,7 @@ class PackCollate:
         self.element_keys = _key_set("element_keys", element_keys, required=False)
         self.provided_keys = frozenset(k for k in (self.offsets_key, self.segment_ids_key) if k is not None)
         self.variable_dims = {key: (0,) for key in self.keys}
+        self.cut_keys = self.element_keys
 
     def check(self, keys: Sequence[Any], values: Sequence[Any], batch_dims: int) -> None:
         """Validation at submit: the packed entries of a request share one length."""
@@ -369,8 +371,14 @@ class LengthCost:
         self.dim = _check_dim(dim)
 
     def __call__(self, td: TensorDictBase) -> int:
-        value = td.get(self.key)
-        return td.batch_size.numel() * value.shape[td.batch_dims + self.dim]
+        value = td.get(self.key, None)
+        dim = td.batch_dims + self.dim
+        if not isinstance(value, torch.Tensor) or value.ndim <= dim:
+            got = "nothing" if value is None else f"shape {tuple(getattr(value, 'shape', ()))}"
+            raise BadRequestError(
+                f"{self!r}: key {self.key!r}: expected a dim {self.dim} after the batch dims, got {got}"
+            )
+        return td.batch_size.numel() * value.shape[dim]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.key!r}, dim={self.dim})"
