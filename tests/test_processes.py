@@ -651,8 +651,10 @@ def test_a_push_that_loses_to_a_local_update_is_dropped_and_the_receiver_takes_t
         torch.testing.assert_close(out["logits"], pw.make_net(11)(torch.ones(8)))
 
 
-def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps():
-    policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps(compiled):
+    net = torch.compile(pw.make_net(0), backend="eager") if compiled else pw.make_net(0)  # served under "_orig_mod"
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy) as server:
         trainer, receiver = weight_group(server)
         assert trainer.push(pw.make_net(5)) == 1  # its names lack the wrapper's "module."

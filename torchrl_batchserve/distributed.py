@@ -225,9 +225,11 @@ class WeightReceiver:
         return True  # receive the next push either way
 
     def _served_names(self, layout: list) -> list:
-        """The pushed layout named as served (:meth:`ShadowWeights.wrapper_of`)."""
-        prefix = self._shadow.wrapper_of({tuple(n.split(".")) for n, _, _ in layout})
-        return layout if prefix is None else [(f"{prefix}.{n}", shape, dtype) for n, shape, dtype in layout]
+        """The pushed layout named as served (:meth:`ShadowWeights.renaming`)."""
+        renamed = self._shadow.renaming({tuple(n.split(".")) for n, _, _ in layout})
+        if renamed is None:
+            return layout
+        return [(".".join(renamed[tuple(n.split("."))]), shape, dtype) for n, shape, dtype in layout]
 
     def _check(self, version: int, layout: list) -> str | None:
         mine = {n: (s, d) for n, s, d in _layout(self._shadow.served)}

@@ -90,25 +90,32 @@ class ShadowWeights:
         """The newest staged snapshot."""
         return self._latest
 
-    def wrapper_of(self, names: set[tuple[str, ...]]) -> str | None:
-        """The name to nest weights of these ``names`` under, if they are those of the module the policy wraps.
+    def renaming(self, names: set[tuple[str, ...]]) -> dict[tuple[str, ...], tuple[str, ...]] | None:
+        """Each pushed name's served name, if ``names`` are the served weights named otherwise; else ``None``.
 
         A server of ``TensorDictModule(net, ...)``, or of a plain ``net`` it
-        wraps, serves ``net``'s weights under ``"module"``; a push of ``net``
-        itself (``update_weights(net)``, its state_dict, a weight group's
-        push of it) names them without it. ``None``: serve them as named.
+        wraps, serves ``net``'s weights under ``"module"``, and one of
+        ``torch.compile(net)`` under ``"_orig_mod"``: a push of ``net``
+        itself, compiled or not (``update_weights(net)``, its state_dict, a
+        weight group's push of it), names them without these.
         """
-        served = {_path(k) for k in self._layout.keys(True, True)}
-        top = list(self._layout.keys())
-        if names == served or len(top) != 1 or not isinstance(self._layout.get(top[0]), TensorDictBase):
+        served = [_path(k) for k in self._layout.keys(True, True)]
+        if names == set(served):
             return None
-        return top[0] if {(top[0], *n) for n in names} == served else None
+        plain = {_plain(k): k for k in served}
+        top = list(self._layout.keys())
+        wrapper = len(top) == 1 and isinstance(self._layout.get(top[0]), TensorDictBase)
+        for prefix in ((), (top[0],)) if wrapper else ((),):
+            renamed = {n: plain.get(prefix + _plain(n)) for n in names}
+            if len(names) == len(plain) == len(served) and set(renamed.values()) == set(served):
+                return renamed  # type: ignore[return-value]
+        return None
 
     def fit(self, weights: TensorDictBase) -> TensorDictBase:
-        """``weights`` named as served (:meth:`wrapper_of`); :class:`WeightSyncError` if they do not match."""
-        prefix = self.wrapper_of({_path(k) for k in weights.keys(True, True)})
-        if prefix is not None:
-            weights = TensorDict({prefix: weights}, batch_size=[])
+        """``weights`` named as served (:meth:`renaming`); :class:`WeightSyncError` if they do not match."""
+        renamed = self.renaming({_path(k) for k in weights.keys(True, True)})
+        if renamed is not None:
+            weights = TensorDict({renamed[_path(k)]: v for k, v in weights.items(True, True)}, batch_size=[])
         self.check(weights)
         return weights
 
@@ -153,6 +160,11 @@ class ShadowWeights:
 
 def _path(key: Any) -> tuple[str, ...]:
     return (key,) if isinstance(key, str) else tuple(key)
+
+
+def _plain(path: tuple[str, ...]) -> tuple[str, ...]:
+    """``path`` without the ``_orig_mod`` levels that ``torch.compile`` adds."""
+    return tuple(p for p in path if p != "_orig_mod")
 
 
 def _record_event(tensors: TensorDictBase) -> Any:
