@@ -405,7 +405,8 @@ class _ServerActor:
 
         def reply(seq: int, future: Future) -> None:
             error = future.exception()
-            outputs = None if error is not None else future.result().select(*self._returned)
+            # on the host: a CUDA tensor (output_device="cuda") would unpickle on the gateway's GPU, or fail there
+            outputs = None if error is not None else future.result().select(*self._returned).cpu()
             with send, contextlib.suppress(OSError):
                 try:
                     _send(conn, (seq, None if error is None else portable(error), outputs))
