@@ -515,6 +515,25 @@ def test_a_caller_interrupted_in_the_middle_of_a_relay_wakes_the_callers_after_i
     assert middle.abandoned
 
 
+def test_a_caller_interrupted_after_its_batch_ran_but_before_its_relay_started_holds_up_nobody():
+    # resolve() picks the completed callers of a batch, then starts their relay: one abandoned in between
+    # found no relay to pass on and was woken first, by nobody's thread: the caller after it waited for its
+    # watchdog (here 60 s).
+    relay = Relay()
+    first, last = (BlockingRequest(obs(), (), 1, torch.Size([]), i, None, None) for i in range(2))
+    with interrupted_while_waiting(), pytest.raises(Interrupted):
+        first.wait(lambda: True, check_every=60)
+    for request in (first, last):
+        request._store(["logits"], [torch.zeros(3)], None)
+    relay.start([first, last])
+    woken: list = []
+    waiter = threading.Thread(target=lambda: woken.append(last.wait(lambda: True, check_every=60)))
+    waiter.start()
+    waiter.join(20)
+    assert not waiter.is_alive() and woken[0]["logits"].shape == (3,)
+    assert relay._tail is None  # the chain ran out
+
+
 def test_cancelled_asyncio_callers_are_dropped_while_queued_and_ignored_once_running():
     gated = GatedPolicy(make_mlp(), block_first=1)
     loop_errors: list = []

@@ -187,12 +187,12 @@ class BlockingRequest(Request):
                 if not is_alive():
                     self.fail(ServerBrokenError("the serve loop stopped without answering"))
         except BaseException:
-            self.abandoned = True
-            if self.relay is not None:
-                self.relay.pass_on(self)  # the callers after it in the relay must not wait for it
+            self.abandoned = True  # before reading relay: a chain started later leaves this request out
             raise
-        if self.relay is not None:
-            self.relay.pass_on(self)
+        finally:
+            relay = self.relay
+            if relay is not None:
+                relay.pass_on(self)  # woken or abandoned: the callers after it in the relay must not wait for it
         return self._result()
 
 
@@ -222,12 +222,20 @@ class Relay:
         self._per_wake = 0.0
 
     def start(self, chain: list[BlockingRequest]) -> None:
-        """Wake ``chain`` one after another, after any chain running now."""
-        for before, after in zip(chain, chain[1:]):
-            before.next = after
-        for request in chain:
-            request.relay = self
+        """Wake ``chain`` one after another, after any chain running now.
+
+        Its callers abandoned by now are left out; one abandoned later
+        passes the chain on itself (it reads ``relay`` after it is
+        abandoned, and its ``pass_on`` waits for the chain to be linked).
+        """
         with self._lock:
+            for request in chain:
+                request.relay = self
+            chain = [request for request in chain if not request.abandoned]
+            if not chain:
+                return
+            for before, after in zip(chain, chain[1:]):
+                before.next = after
             running = self._tail
             if running is not None:
                 running.next = chain[0]
@@ -360,8 +368,8 @@ def resolve(
             if request._store(keys, values, None):
                 by_loop.setdefault(request.loop, []).append(request)
         elif type(request) is BlockingRequest and relay is not None and request.caller != me:
-            if request._store(keys, values, None) and not request.abandoned:
-                chain.append(request)
+            if request._store(keys, values, None):
+                chain.append(request)  # unless abandoned by the time the chain starts (Relay.start)
         else:
             request.finish(keys, values)
     for loop, group in by_loop.items():
