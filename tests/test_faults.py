@@ -515,16 +515,20 @@ def test_a_caller_interrupted_in_the_middle_of_a_relay_wakes_the_callers_after_i
     assert middle.abandoned
 
 
-def test_a_caller_interrupted_after_its_batch_ran_but_before_its_relay_started_holds_up_nobody():
-    # resolve() picks the completed callers of a batch, then starts their relay: one abandoned in between
-    # found no relay to pass on and was woken first, by nobody's thread: the caller after it waited for its
-    # watchdog (here 60 s).
+@pytest.mark.parametrize("left", ["interrupted", "watchdog"])
+def test_a_caller_that_left_after_its_batch_ran_but_before_its_relay_started_holds_up_nobody(left):
+    # resolve() completes the callers of a batch, then starts their relay. One that stopped waiting in between
+    # (interrupted, or its watchdog saw it completed) found no relay to pass on, and was woken first, by
+    # nobody's thread: the caller after it waited for its watchdog (here 60 s).
     relay = Relay()
     first, last = (BlockingRequest(obs(), (), 1, torch.Size([]), i, None, None) for i in range(2))
-    with interrupted_while_waiting(), pytest.raises(Interrupted):
-        first.wait(lambda: True, check_every=60)
+    if left == "interrupted":
+        with interrupted_while_waiting(), pytest.raises(Interrupted):
+            first.wait(lambda: True, check_every=60)
     for request in (first, last):
         request._store(["logits"], [torch.zeros(3)], None)
+    if left == "watchdog":
+        assert first.wait(lambda: True, check_every=0.01)["logits"].shape == (3,)
     relay.start([first, last])
     woken: list = []
     waiter = threading.Thread(target=lambda: woken.append(last.wait(lambda: True, check_every=60)))

@@ -182,8 +182,9 @@ class BlockingRequest(Request):
         """
         try:
             while not self._lock.acquire(timeout=check_every):
-                if self.done:
-                    break  # completed, but the caller before us in the relay was interrupted
+                if self.done:  # completed, but not woken (yet): it waits no more, so no relay may wait for it
+                    self.abandoned = True
+                    break
                 if not is_alive():
                     self.fail(ServerBrokenError("the serve loop stopped without answering"))
         except BaseException:
