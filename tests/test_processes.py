@@ -23,7 +23,7 @@ from tensordict import TensorDict
 from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
 from torch import nn
 
-from torchrl_batchserve import BatchedPolicyServer, ServerBrokenError, ServerClosedError
+from torchrl_batchserve import BatchedPolicyServer, ServerBrokenError, ServerClosedError, WeightSyncError
 from torchrl_batchserve.transport.client import ProcessClient
 from torchrl_batchserve.transport.hub import ProcessHub, _Client
 from torchrl_batchserve.transport.slots import Slot
@@ -501,7 +501,7 @@ def weight_group(server: BatchedPolicyServer) -> tuple:
 def test_trainer_pushes_versions_to_two_server_processes_over_a_dedicated_group():
     import torch.distributed as dist
 
-    from torchrl_batchserve import WeightBroadcaster, WeightSyncError
+    from torchrl_batchserve import WeightBroadcaster
 
     port, final = free_port(), 5
     reached = [SPAWN.Event(), SPAWN.Event()]
@@ -658,6 +658,8 @@ def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps(co
     with BatchedPolicyServer(policy) as server:
         trainer, receiver = weight_group(server)
         assert trainer.push(pw.make_net(5)) == 1  # its names lack the wrapper's "module."
+        with pytest.raises(WeightSyncError, match="version must be an int .*, got 2.5"):
+            trainer.push(pw.make_net(6), version=2.5)  # refused before anything is sent
         remote = server.remote_policy()
         serve_until(remote, 1)
         out = remote(TensorDict(observation=torch.ones(8)))
@@ -688,7 +690,7 @@ def test_a_dead_trainer_leaves_the_server_serving_its_last_version():
 
 
 def test_a_push_to_a_dead_server_fails_instead_of_hanging():
-    from torchrl_batchserve import WeightBroadcaster, WeightSyncError
+    from torchrl_batchserve import WeightBroadcaster
 
     port, joined = free_port(), SPAWN.Event()
     host = SPAWN.Process(target=pw.join_weight_group_then_hang, args=(port, 2, joined))

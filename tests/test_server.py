@@ -598,6 +598,9 @@ def test_update_weights_takes_the_version_given_refuses_one_that_does_not_increa
         assert int(remote(obs())["policy_version"]) == 10
         with pytest.raises(WeightSyncError, match="version must increase: staged 10, got 10"):
             server.update_weights(weights, version=10)
+        for odd in (10.5, True, "11"):  # 10.5 was staged, and stamped on results as a version
+            with pytest.raises(WeightSyncError, match=f"version must be an int .*, got {odd!r}"):
+                server.update_weights(weights, version=odd)
         with pytest.raises(
             WeightSyncError, match="weights must be a TensorDict, an nn.Module or a state_dict, got list"
         ):
@@ -608,6 +611,7 @@ def test_update_weights_takes_the_version_given_refuses_one_that_does_not_increa
             server.update_weights(odd)
         assert server.update_weights(weights) == 11  # the refused pushes changed nothing
         assert int(remote(obs())["policy_version"]) == 11
+        assert server.update_weights(weights, version=torch.tensor(12)) == 12  # an integer tensor is an int
 
 
 @pytest.mark.parametrize("wrapped", ["plain", "TensorDictModule", "compiled", "compiled trainer"])

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
 from torchrl_batchserve.errors import WeightSyncError
-from torchrl_batchserve.weights import ShadowWeights, as_weights
+from torchrl_batchserve.weights import ShadowWeights, as_weights, check_version
 
 __all__ = ["WeightBroadcaster", "WeightReceiver"]
 
@@ -104,6 +104,7 @@ class WeightBroadcaster:
         Raises :class:`WeightSyncError` when a server rejects the metadata (no
         server changes its weights then), or when the transfer fails.
         """
+        version = check_version(version)
         weights = as_weights(weights)
         with self._lock:
             version = self.version + 1 if version is None else version

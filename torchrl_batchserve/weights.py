@@ -14,6 +14,7 @@ written weights, and the trainer's parameters are only ever read.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -143,6 +144,7 @@ class ShadowWeights:
 
     def stage(self, weights: Any, version: int | None = None) -> int:
         """Check and copy ``weights``; return the version they serve as from every replica's next batch."""
+        version = check_version(version)
         weights = self.fit(as_weights(weights))
         with torch.no_grad():
             tensors = self._layout.apply(lambda ref, w: w.detach().to(self._device or ref.device, copy=True), weights)
@@ -156,6 +158,18 @@ class ShadowWeights:
                 raise WeightSyncError(f"version must increase: staged {self._latest.version}, got {version}")
             self._latest = Snapshot(version, tensors, ready)
         return version
+
+
+def check_version(version: Any) -> int | None:
+    """``version`` as an int (``None``: the next one); :class:`WeightSyncError` if it is no integer."""
+    if version is None:
+        return None
+    try:
+        if isinstance(version, bool):
+            raise TypeError
+        return operator.index(version)  # an int, a numpy integer, a one-element integer tensor
+    except TypeError:
+        raise WeightSyncError(f"version must be an int (or None: the next one), got {version!r}") from None
 
 
 def _path(key: Any) -> tuple[str, ...]:
