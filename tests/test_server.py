@@ -539,6 +539,8 @@ def test_queue_full_is_refused_at_once():
         ({"device": "nonsense"}, r"device must be a torch.device or a device string \(got 'nonsense'\)"),
         ({"device": []}, r"device must name at least one device \(got an empty sequence\)"),
         ({"device": ["cpu", "nonsense"]}, r"device\[1\] must be a torch.device or a device string"),
+        ({"device": ["cpu", "meta"]}, r"device\[1\]='meta': the meta device holds no values to serve"),
+        ({"output_device": "meta"}, r"output_device='meta': the meta device holds no values to serve"),
         ({"cost_fn": 3, "max_batch_cost": 4}, r"cost_fn must be callable as cost_fn\(td\) -> int \(got 3\)"),
         ({"in_keys": ["x"]}, "in_keys/out_keys are taken from a TensorDictModuleBase policy; do not pass them"),
         ({"collate": 3}, "collate must be a Collate"),
@@ -555,6 +557,7 @@ def test_queue_full_is_refused_at_once():
             {"policy_version_key": ("observation",)},
             r"policy_version_key=\('observation',\) is one of the policy's in_keys",
         ),
+        ({"policy_version_key": 3}, r"policy_version_key must be a key \(a str or a tuple of str\) or None, got 3"),
     ],
 )
 def test_constructor_validates_arguments(policy, kwargs, message):

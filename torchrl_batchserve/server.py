@@ -125,6 +125,8 @@ def _device(name: str, value: Any) -> torch.device | None:
             raise ValueError(f"{name}={value!r}: there are {torch.cuda.device_count()} CUDA devices")
         if device.index is None:  # "cuda" is the current device: named by index, as its tensors' devices are
             device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "meta":
+        raise ValueError(f"{name}={value!r}: the meta device holds no values to serve")
     return device
 
 
@@ -267,8 +269,14 @@ class BatchedPolicyServer(TensorDictModule):
             if not callable(cost_fn):
                 raise ValueError(f"cost_fn must be callable as cost_fn(td) -> int (got {cost_fn!r})")
         if policy_version_key is not None:
+            try:
+                version_key = unravel_key(policy_version_key)
+            except (RuntimeError, TypeError):  # tensordict's own error for a key that is no NestedKey
+                raise TypeError(
+                    f"policy_version_key must be a key (a str or a tuple of str) or None, got {policy_version_key!r}"
+                ) from None
             for kind in ("out_keys", "in_keys"):
-                if unravel_key(policy_version_key) in unravel_key_list(list(getattr(policy, kind))):
+                if version_key in unravel_key_list(list(getattr(policy, kind))):
                     raise ValueError(
                         f"policy_version_key={policy_version_key!r} is one of the policy's {kind}: the stamp would "
                         "overwrite it in every result. Pass another key (or None for no stamp)"
