@@ -380,7 +380,9 @@ def test_an_input_spec_leaves_the_collates_variable_dims_free():
 
 def test_a_refused_server_leaves_the_policy_where_it_was(policy):
     with pytest.raises(ValueError, match="input_spec has no entry 'observation'"):
-        BatchedPolicyServer(policy, device="meta", input_spec=TensorDict(obs=torch.zeros(8)))
+        BatchedPolicyServer(policy, device=["cpu", "cpu"], input_spec=TensorDict(obs=torch.zeros(8)))
+    with pytest.raises(ValueError, match="the meta device holds no values to serve"):
+        BatchedPolicyServer(policy, device="meta")
     assert {p.device.type for p in policy.parameters()} == {"cpu"}
 
 
