@@ -14,6 +14,7 @@ from tensordict.nn import InteractionType, TensorDictModule, TensorDictModuleBas
 from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve import BatchedPolicyServer, ForwardTimeoutError, PolicyError
+from torchrl_batchserve.serve import GATE
 
 
 class BiasHead(torch.nn.Module):
@@ -364,12 +365,42 @@ def test_batches_under_different_interaction_types_never_run_at_once_on_two_repl
         held = server.submit(obs(), interaction=InteractionType.RANDOM)
         assert probe.random_entered.wait(10)
         other = server.submit(obs(), interaction=InteractionType.DETERMINISTIC)
-        gate = server._serving.interaction
-        wait_for(lambda: len(probe.started) == 2 or gate._waiting == 1, "the other batch to start or wait")
+        wait_for(lambda: len(probe.started) == 2 or GATE._waiting == 1, "the other batch to start or wait")
         probe.go.set()
         held.result(10), other.result(10)
         assert interaction_type() is None  # put back as found
     assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
+
+
+def test_two_servers_of_one_process_never_run_forwards_of_two_types_at_once():
+    # The type is the process's, not a server's: a DETERMINISTIC forward of another server must wait too, or
+    # the RANDOM one would go on under DETERMINISTIC.
+    probe = ModeProbe()
+    first = BatchedPolicyServer(probe, max_batch_size=1, policy_version_key=None)
+    with first, BatchedPolicyServer(probe, max_batch_size=1, policy_version_key=None) as second:
+        held = first.submit(obs(), interaction=InteractionType.RANDOM)
+        assert probe.random_entered.wait(10)
+        other = second.submit(obs(), interaction=InteractionType.DETERMINISTIC)
+        wait_for(lambda: len(probe.started) == 2 or GATE._waiting == 1, "the other batch to start or wait")
+        probe.go.set()
+        held.result(10), other.result(10)
+        assert interaction_type() is None
+    assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
+
+
+def test_a_server_whose_forward_times_out_holds_up_no_other_servers_forwards():
+    probe = ModeProbe()
+    broken = BatchedPolicyServer(probe, max_batch_size=1, forward_timeout=0.2, policy_version_key=None)
+    stuck = broken.submit(obs(), interaction=InteractionType.RANDOM)
+    assert probe.random_entered.wait(10)
+    with BatchedPolicyServer(probe, max_batch_size=1, policy_version_key=None) as other:
+        waiting = other.submit(obs(), interaction=InteractionType.DETERMINISTIC)  # waits for the stuck forward
+        with pytest.raises(ForwardTimeoutError):
+            stuck.result(10)
+        assert waiting.result(10)["logits"].shape == (3,)  # served once that server broke, under its own type
+    assert probe.seen == [(InteractionType.DETERMINISTIC,) * 2]
+    assert broken.close(timeout=0.5) is False
+    probe.go.set()
 
 
 def test_a_caller_of_the_servers_process_keeps_its_own_type_while_a_forward_has_set_another():

@@ -23,7 +23,7 @@ from torchrl_batchserve.errors import BadRequestError
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.request import Request, fail_all
-from torchrl_batchserve.serve import InteractionGate
+from torchrl_batchserve.serve import GATE
 from torchrl_batchserve.stats import StatisticsRecorder
 from torchrl_batchserve.weights import ShadowWeights
 
@@ -51,8 +51,6 @@ class Intake:
         sampling: the interaction types under which the policy samples
             (:func:`~torchrl_batchserve.cache.sampling_modes`): the cache
             answers none of their requests.
-        interaction: the serve loops' gate, which tells the type the callers
-            of this process are under while a forward has set its own.
     """
 
     def __init__(
@@ -64,7 +62,6 @@ class Intake:
         cache: EvaluationCache | None,
         delivered: list[Any],
         sampling: frozenset,
-        interaction: InteractionGate,
     ) -> None:
         self.layout = layout
         self.queue = queue
@@ -73,7 +70,6 @@ class Intake:
         self._cache = cache
         self._delivered = delivered
         self._sampling = sampling
-        self._interaction = interaction
 
     def request(
         self, cls: type[Request], td: TensorDictBase, caller: Any, interaction: Any = CURRENT, **kwargs: Any
@@ -85,7 +81,7 @@ class Intake:
             self._stats.rejected()
             raise
         if interaction is CURRENT:
-            interaction = self._interaction.callers_mode()
+            interaction = GATE.callers_mode()
         elif interaction is not None and not isinstance(interaction, InteractionType):
             raise TypeError(f"interaction must be an InteractionType or None (got {interaction!r})")
         return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, v.layout, **kwargs)

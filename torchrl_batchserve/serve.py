@@ -48,7 +48,7 @@ from torchrl_batchserve.replica import Replica
 from torchrl_batchserve.request import Relay, Request, fail_all, resolve
 from torchrl_batchserve.stats import StatisticsRecorder
 
-__all__ = ["InteractionGate", "Serving", "in_serve_loop", "owned"]
+__all__ = ["GATE", "InteractionGate", "Serving", "in_serve_loop", "owned"]
 
 _log = logging.getLogger(__name__)
 
@@ -140,36 +140,40 @@ class InteractionGate:
     """Forwards under one interaction type run together; under another, after them.
 
     tensordict's interaction type is one value for the whole process, read
-    by the policy's modules while they run: two batches of a server under
-    different types at once (on two replicas, a gateway's batches in flight)
-    would each run under whichever was set last. The first forward of a run
-    sets its type if it differs, the last puts back the one found if nobody
-    changed it meanwhile (the callers' threads set and reset it too). Once a
-    forward of another type waits, new ones wait too, so it is not starved.
-    While a run's type is set, the callers of this process read the one it
-    replaced (:meth:`callers_mode`), not the forward's.
+    by the policy's modules while they run: two forwards under different
+    types at once (on two replicas, a gateway's batches in flight, two
+    servers of one process) would each run under whichever was set last. So
+    the process has one gate (:data:`GATE`), which every serve loop passes.
+    The first forward of a run sets its type if it differs, the last puts
+    back the one found if nobody changed it meanwhile (the callers' threads
+    set and reset it too). Once a forward of another type waits, new ones
+    wait too, so it is not starved. While a run's type is set, the callers of
+    this process read the one it replaced (:meth:`callers_mode`), not the
+    forward's.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._mode: Any = None
-        self._running = 0
+        self._running: dict[Any, int] = {}  # the forwards running now, by the server they belong to
         self._waiting = 0
         self._setting: set_interaction_type | None = None
         self._found: Any = None  # the type a run's setting replaced
-        self._broken: BaseException | None = None
 
     @contextlib.contextmanager
-    def under(self, mode: Any) -> Iterator[None]:
-        """Run the block under the interaction type ``mode``."""
+    def under(self, mode: Any, owner: Serving) -> Iterator[None]:
+        """Run the block, a forward of ``owner``, under the interaction type ``mode``.
+
+        Raises ``owner.broken`` once it is set (:meth:`release`), rather than wait.
+        """
         with self._cond:
             if self._running and (mode != self._mode or self._waiting):
                 self._waiting += 1
-                while self._running and self._broken is None:
+                while self._running and owner.broken is None:
                     self._cond.wait()
                 self._waiting -= 1
-            if self._broken is not None:  # a forward that never ends holds the run: the server is broken
-                raise self._broken
+            if owner.broken is not None:  # a forward that never ends holds the run: the server is broken
+                raise owner.broken
             if not self._running:
                 self._mode = mode
                 found = interaction_type()
@@ -177,17 +181,25 @@ class InteractionGate:
                     self._found = found
                     self._setting = set_interaction_type(mode)
                     self._setting.__enter__()
-            self._running += 1
+            self._running[owner] = self._running.get(owner, 0) + 1
         try:
             yield
         finally:
             with self._cond:
-                self._running -= 1
-                if not self._running:
-                    if self._setting is not None and interaction_type() == mode:
-                        self._setting.__exit__(None, None, None)
-                    self._setting = None
-                    self._cond.notify_all()
+                left = self._running.get(owner, 0) - 1  # -1: released by its broken server (release)
+                if left > 0:
+                    self._running[owner] = left
+                elif left == 0:
+                    del self._running[owner]
+                    self._end_run()
+
+    def _end_run(self) -> None:
+        if self._running:
+            return
+        if self._setting is not None and interaction_type() == self._mode:
+            self._setting.__exit__(None, None, None)
+        self._setting = None
+        self._cond.notify_all()
 
     def callers_mode(self) -> Any:
         """The type a caller of this process is under: the one in effect, or the one a running forward's replaced."""
@@ -195,11 +207,15 @@ class InteractionGate:
             mode = interaction_type()
             return self._found if self._setting is not None and mode == self._mode else mode
 
-    def break_(self, error: BaseException) -> None:
-        """Fail every forward waiting for its turn, and every later one, with ``error``."""
+    def release(self, owner: Serving) -> None:
+        """``owner`` broke: its forwards (one may never end) hold the gate no longer; its waiting ones fail."""
         with self._cond:
-            self._broken = error
+            if self._running.pop(owner, 0):
+                self._end_run()
             self._cond.notify_all()
+
+
+GATE = InteractionGate()
 
 
 class Serving:
@@ -248,7 +264,7 @@ class Serving:
         self.max_batch_size = max_batch_size
         self.static_batch_size = static_batch_size
         self.relay = Relay()  # one wake-up chain for all blocking callers of this server
-        self.interaction = InteractionGate()
+        self.broken: BaseException | None = None  # set when a serve loop dies: the server serves no more
         self.replicas: list[Replica] = []
         self.threads: list[threading.Thread] = []
         self._watchdog = _Watchdog(forward_timeout, self._timed_out) if forward_timeout is not None else None
@@ -311,7 +327,8 @@ class Serving:
             error.__cause__ = cause
         fail_all(self._with_followers(list(requests)), error)
         fail_all(self._with_followers(self.queue.break_(cause)), error)
-        self.interaction.break_(error)
+        self.broken = error
+        GATE.release(self)
 
     def _timed_out(self, group: list[Request]) -> None:
         error = ForwardTimeoutError("a forward ran longer than forward_timeout; the server is broken")
@@ -399,7 +416,7 @@ class Serving:
         foreign = replica.foreign | {t.untyped_storage().data_ptr() for t in batch.values(True, True)}
         packed = not batch.batch_dims  # a packed batch has no rows: its collate checks its outputs
         gate = time.perf_counter()
-        with self.interaction.under(group[0].interaction):
+        with GATE.under(group[0].interaction, self):
             start += time.perf_counter() - gate  # waiting for the gate is no part of a forward's time
             if self._watchdog is not None:
                 self._watchdog.start(replica.index, group)

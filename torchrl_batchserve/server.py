@@ -341,7 +341,6 @@ class BatchedPolicyServer(TensorDictModule):
             cache,
             self._serving.delivered,
             sampling,
-            self._serving.interaction,
         )
         self._endpoint = LocalEndpoint(self._intake, self._serving, self)
         self._lifecycle = threading.Lock()
