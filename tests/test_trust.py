@@ -14,7 +14,10 @@ from tensordict.nn import InteractionType, TensorDictModule, TensorDictModuleBas
 from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve import BatchedPolicyServer, ForwardTimeoutError, PolicyError
+from torchrl_batchserve.intake import CURRENT
 from torchrl_batchserve.serve import GATE
+
+RANDOM = InteractionType.RANDOM
 
 
 class BiasHead(torch.nn.Module):
@@ -401,6 +404,45 @@ def test_a_server_whose_forward_times_out_holds_up_no_other_servers_forwards():
     assert probe.seen == [(InteractionType.DETERMINISTIC,) * 2]
     assert broken.close(timeout=0.5) is False
     probe.go.set()
+
+
+class CallsAnother(TensorDictModuleBase):
+    """A policy whose forward is served by another server of its process; a RANDOM one waits for ``go`` first."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["logits"]
+        self.inner, self.entered, self.go = inner, threading.Event(), threading.Event()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def forward(self, td):
+        if interaction_type() is InteractionType.RANDOM:
+            self.entered.set()
+            assert self.go.wait(30)
+        inner = self.inner.submit(TensorDict(observation=td["observation"]), interaction=CURRENT)
+        td.set("logits", inner.result(10)["logits"])
+        return td
+
+
+def test_a_forward_that_calls_another_server_of_its_process_is_served_under_its_type_while_another_waits():
+    # The inner request is part of the running forward: made under the forward's type, its forward joins the
+    # run. Made under the type the forward replaced, or waiting behind the DETERMINISTIC forward that waits for
+    # the run to end, it would wait for itself.
+    probe = ModeProbe()
+    with BatchedPolicyServer(probe, max_batch_size=8, policy_version_key=None) as inner:
+        outer = CallsAnother(inner)
+        with BatchedPolicyServer(outer, policy_version_key=None) as server, BatchedPolicyServer(probe) as third:
+            held = server.submit(TensorDict(observation=torch.ones(2, 8), batch_size=[2]), interaction=RANDOM)
+            assert outer.entered.wait(10)
+            other = third.submit(obs(), interaction=InteractionType.DETERMINISTIC)
+            wait_for(lambda: GATE._waiting == 1, "the DETERMINISTIC forward to wait for the RANDOM run")
+            probe.go.set()  # the inner RANDOM forward need not wait
+            outer.go.set()
+            assert held.result(10)["logits"].shape == (2, 3)
+            other.result(10)
+    assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
 
 
 def test_a_caller_of_the_servers_process_keeps_its_own_type_while_a_forward_has_set_another():

@@ -84,7 +84,9 @@ class Intake:
             interaction = GATE.callers_mode()
         elif interaction is not None and not isinstance(interaction, InteractionType):
             raise TypeError(f"interaction must be an InteractionType or None (got {interaction!r})")
-        return cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, v.layout, **kwargs)
+        request = cls(td, v.inputs, v.rows, v.batch_shape, caller, interaction, v.device, v.cost, v.layout, **kwargs)
+        request.nested = GATE.inside()
+        return request
 
     def put(self, request: Request, may_serve: bool = False) -> Any:
         """Answer ``request`` from the cache, join it to an identical one in flight, or queue it.

@@ -149,7 +149,9 @@ class InteractionGate:
     set and reset it too). Once a forward of another type waits, new ones
     wait too, so it is not starved. While a run's type is set, the callers of
     this process read the one it replaced (:meth:`callers_mode`), not the
-    forward's.
+    forward's. A request that a forward makes itself (a policy that calls a
+    server of this process) runs under that forward's type and joins its run
+    (:meth:`inside`): waiting for the run to end would wait for itself.
     """
 
     def __init__(self) -> None:
@@ -159,15 +161,18 @@ class InteractionGate:
         self._waiting = 0
         self._setting: set_interaction_type | None = None
         self._found: Any = None  # the type a run's setting replaced
+        self._forwards = threading.local()  # how many forwards this thread is inside
 
     @contextlib.contextmanager
-    def under(self, mode: Any, owner: Serving) -> Iterator[None]:
+    def under(self, mode: Any, owner: Serving, nested: bool = False) -> Iterator[None]:
         """Run the block, a forward of ``owner``, under the interaction type ``mode``.
 
+        ``nested``: the forward serves a request made inside a running
+        forward, so it joins the run even if a forward of another type waits.
         Raises ``owner.broken`` once it is set (:meth:`release`), rather than wait.
         """
         with self._cond:
-            if self._running and (mode != self._mode or self._waiting):
+            if self._running and (mode != self._mode or (self._waiting and not nested)):
                 self._waiting += 1
                 while self._running and owner.broken is None:
                     self._cond.wait()
@@ -182,9 +187,12 @@ class InteractionGate:
                     self._setting = set_interaction_type(mode)
                     self._setting.__enter__()
             self._running[owner] = self._running.get(owner, 0) + 1
+        forwards = self._forwards
+        forwards.depth = getattr(forwards, "depth", 0) + 1
         try:
             yield
         finally:
+            forwards.depth -= 1
             with self._cond:
                 left = self._running.get(owner, 0) - 1  # -1: released by its broken server (release)
                 if left > 0:
@@ -201,11 +209,19 @@ class InteractionGate:
         self._setting = None
         self._cond.notify_all()
 
+    def inside(self) -> bool:
+        """Whether this thread is running a forward (a request it makes now is part of it)."""
+        return getattr(self._forwards, "depth", 0) > 0
+
     def callers_mode(self) -> Any:
-        """The type a caller of this process is under: the one in effect, or the one a running forward's replaced."""
+        """The type a caller of this process is under: the one in effect, or the one a running forward's replaced.
+
+        Inside a forward, the one in effect: the forward's.
+        """
         with self._cond:
             mode = interaction_type()
-            return self._found if self._setting is not None and mode == self._mode else mode
+            outside = self._setting is not None and mode == self._mode and not self.inside()
+            return self._found if outside else mode
 
     def release(self, owner: Serving) -> None:
         """``owner`` broke: its forwards (one may never end) hold the gate no longer; its waiting ones fail."""
@@ -416,7 +432,7 @@ class Serving:
         foreign = replica.foreign | {t.untyped_storage().data_ptr() for t in batch.values(True, True)}
         packed = not batch.batch_dims  # a packed batch has no rows: its collate checks its outputs
         gate = time.perf_counter()
-        with GATE.under(group[0].interaction, self):
+        with GATE.under(group[0].interaction, self, any(r.nested for r in group)):
             start += time.perf_counter() - gate  # waiting for the gate is no part of a forward's time
             if self._watchdog is not None:
                 self._watchdog.start(replica.index, group)
