@@ -43,7 +43,8 @@ class ServerStatistics:
     Times are in seconds. Percentiles cover the most recent samples (4,096 of
     each kind), or with ``server.statistics(since=earlier)`` those recorded
     after ``earlier`` was taken, whose counters are then differences too (a
-    training loop's last iteration, warm-up left out). ``as_dict()`` is flat,
+    training loop's last iteration, warm-up left out), and ``uptime`` the
+    seconds since then (``requests / uptime`` is the rate over that span). ``as_dict()`` is flat,
     for loggers (:func:`log_statistics`); ``dataclasses.asdict`` works too.
 
     Examples:
@@ -272,6 +273,7 @@ _COUNTERS = (
     "cache_hits",
     "cache_misses",
     "cache_coalesced",
+    "uptime",
 )
 
 
