@@ -84,12 +84,12 @@ class MaskedMean(torch.nn.Module):
         torch.manual_seed(0)
         self.linear = torch.nn.Linear(4, 3)
 
-    def forward(self, obs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.linear((obs * mask.unsqueeze(-1)).sum(-2) / mask.sum(-1, keepdim=True))
+    def forward(self, obs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear((obs * mask.unsqueeze(-1)).sum(-2) / mask.sum(-1, keepdim=True)), mask.float()
 
 
 def padded_factory() -> TensorDictModule:
-    return TensorDictModule(MaskedMean(), in_keys=["obs", "mask"], out_keys=["act"])
+    return TensorDictModule(MaskedMean(), in_keys=["obs", "mask"], out_keys=["act", "real"])
 
 
 def slow_factory() -> TensorDictModule:
@@ -130,11 +130,19 @@ class Actor:
 
         return asyncio.run(main())
 
-    def sequences(self, n: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``n`` requests in flight at once, each ``length`` copies of one observation."""
+    def sequences(self, n: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``n`` requests in flight at once, of copies of one observation; lengths cycle, every third has 2 rows."""
         xs = [observation(self.index, i) for i in range(n)]
-        futures = [self.remote.submit(TensorDict(obs=x.expand(length, 4).clone())) for x in xs]
-        return [(x, f.result(timeout=60)["act"]) for x, f in zip(xs, futures)]
+        tds = [
+            TensorDict(obs=x.expand(2, lengths[i % len(lengths)], 4).clone(), batch_size=[2])
+            if i % 3 == 2
+            else TensorDict(obs=x.expand(lengths[i % len(lengths)], 4).clone())
+            for i, x in enumerate(xs)
+        ]
+        futures = [self.remote.submit(td) for td in tds]
+        outs = [f.result(timeout=60) for f in futures]  # "real": the mask, cut back to the request's length
+        assert all(td["real"].shape == td["obs"].shape[:-1] and bool(td["real"].all()) for td in outs)
+        return [(x, td["act"]) for x, td in zip(xs, outs)]
 
     def until_error(self, seconds: float) -> tuple[str, float]:
         """Call until a call fails; the error's class and when it came."""
@@ -258,15 +266,17 @@ def test_each_gateway_batch_reaches_the_server_as_one_request(cluster):
         assert all(g.requests == 3 * 20 for g in gateways.values())
 
 
-def test_gateways_of_a_padded_server_with_a_cost_bound_serve_its_requests(cluster):
-    # A gateway asked its node's actors for the mask the server's collate writes (refused: missing), and its
-    # batches, one request each at the server, could cost more than max_batch_cost (refused too).
-    kwargs = {"collate": PadCollate(["obs"]), "cost_fn": LengthCost("obs"), "max_batch_cost": 20}
+def test_gateways_of_a_padded_server_with_a_cost_bound_serve_its_variable_length_requests(cluster):
+    # A gateway asked its node's actors for the mask the server's collate writes (refused: missing), its
+    # batches could cost more than max_batch_cost (refused too), and it stacked its requests: a length other
+    # than the first one's was refused.
+    kwargs = {"collate": PadCollate(["obs"], trim_keys=["real"]), "cost_fn": LengthCost("obs"), "max_batch_cost": 20}
     with served(padded_factory, max_batch_size=16, timeout=0.01, **kwargs) as handle:
         actors = spread(handle.remote_policy(), 2)
-        for x, act in [row for rows in ray.get([a.sequences.remote(12, 3) for a in actors]) for row in rows]:
-            torch.testing.assert_close(act, reference(None, x))
-        assert handle.statistics().rows == 2 * 12
+        rows = [row for rows in ray.get([a.sequences.remote(12, [3, 1, 5, 2]) for a in actors]) for row in rows]
+        for x, act in rows:
+            torch.testing.assert_close(act, reference(None, x).expand_as(act))
+        assert handle.statistics().rows == 2 * (12 + 4)  # every third request has two rows
 
 
 def test_versions_are_exact_across_pushes_and_a_bad_push_changes_nothing(cluster):

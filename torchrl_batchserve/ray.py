@@ -14,7 +14,8 @@ other node, the hub of that node's gateway. A gateway is a Ray actor pinned to
 its node (made by the server actor on first demand, so it dies with it) that
 runs a ``BatchedPolicyServer`` of its own, whose "policy" sends each of its
 batches over one TCP connection (:class:`_Link`) to the server actor, where
-it is served as one request of its rows; the rows' outputs and version
+it is served as one request of its rows (or, for a server whose collate
+varies feature dims, as the requests it holds: :class:`_Unstacked`); the rows' outputs and version
 stamps come back the same way. No request pays a Ray call or a round trip of
 its own: a node's actors reach their gateway through shared memory, and a
 gateway batch costs one round trip however many rows it carries
@@ -347,6 +348,7 @@ class _ServerActor:
         version = self._server.policy_version_key
         self._returned = list(self._server.out_keys) + ([version] if version is not None else [])
         self._request_keys = list(self._server._serving.layout.keys)  # in_keys but those the collate writes
+        self._variable = dict(getattr(self._server.collate, "variable_dims", None) or {})
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener((ray.util.get_node_ip_address(), 0), authkey=self._authkey)
         threading.Thread(target=self._accept, name="batchserve-ray-accept", daemon=True).start()
@@ -369,14 +371,16 @@ class _ServerActor:
             if node in self._gateways and not _healthy(self._gateways[node][0]):
                 ray.kill(self._gateways.pop(node)[0], no_restart=True)  # its link broke: a new one replaces it
             if node not in self._gateways:
-                kwargs = {
+                kwargs: dict[str, Any] = {
                     "max_batch_size": self._server.max_batch_size,
                     "timeout": self._server.timeout,
-                    "cost_fn": self._server.cost_fn,  # a gateway batch, one request here, fits max_batch_cost
+                    "cost_fn": self._server.cost_fn,  # a gateway batch fits max_batch_cost here too
                     "max_batch_cost": self._server.max_batch_cost,
                     "device": ["cpu"] * self._gateway_depth,  # one serve loop per batch in flight
                     "policy_version_key": None,  # the server's stamps come through as outputs
                 }
+                if self._variable:  # rows of different shapes: each request goes on as it came
+                    kwargs["collate"] = _Unstacked(self._variable, self._server.collate)
                 link = (self._listener.address, self._authkey)
                 gateway: Any = (
                     ray.remote(_Gateway)
@@ -406,7 +410,7 @@ class _ServerActor:
         def reply(seq: int, future: Future) -> None:
             error = future.exception()
             # on the host: a CUDA tensor (output_device="cuda") would unpickle on the gateway's GPU, or fail there
-            outputs = None if error is not None else future.result().select(*self._returned).cpu()
+            outputs = None if error is not None else _each(future.result(), lambda td: td.select(*self._returned).cpu())
             with send, contextlib.suppress(OSError):
                 try:
                     _send(conn, (seq, None if error is None else portable(error), outputs))
@@ -424,7 +428,8 @@ class _ServerActor:
                 return
             try:
                 mode = None if interaction is None else InteractionType(interaction)
-                future = self._server.submit(batch, caller=caller, interaction=mode)
+                submit = functools.partial(self._server.submit, caller=caller, interaction=mode)
+                future = _all(_each(batch, submit))
             except Exception as err:  # refused at once (closed, bad rows): this batch only
                 with send, contextlib.suppress(OSError):
                     _send(conn, (seq, portable(err), None))
@@ -465,6 +470,72 @@ def _send(conn: Connection, message: Any) -> None:
 
 def _recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
+
+
+def _each(items: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` of one item, or of each of a list of them (an unstacked gateway batch)."""
+    return [fn(item) for item in items] if isinstance(items, list) else fn(items)
+
+
+def _all(futures: Future | list[Future]) -> Future:
+    """One future: the list of ``futures``' results once all are done, or the first failure; or the one given."""
+    if not isinstance(futures, list):
+        return futures
+    done: Future = Future()
+    left, lock = [len(futures)], threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            done.set_exception(failed[0])
+        else:
+            done.set_result([f.result() for f in futures])
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    return done
+
+
+class _Unstacked:
+    """A gateway's collate when the server's varies feature dims: its requests go on one by one.
+
+    The batch holds each key as ``{"0": request 0's value, "1": ...}`` and
+    each request's rows under ``_ROWS`` (0: a single row); :class:`_Forward`
+    submits every request as it came, so the server's own collate pads or
+    packs them, and the outputs come back the same way.
+    """
+
+    provided_keys: frozenset = frozenset()
+
+    def __init__(self, variable_dims: dict, server_collate: Any) -> None:
+        self.variable_dims = variable_dims
+        self.check = getattr(server_collate, "check", None)  # the server's per-request checks, at the gateway
+
+    def collate(self, requests: Sequence[Any], keys: Sequence[Any]) -> TensorDictBase:
+        batch = TensorDict({_ROWS: torch.tensor([r.rows if r.batch_shape else 0 for r in requests])})
+        for j, key in enumerate(keys):
+            batch.set(key, TensorDict({str(i): r.inputs[j] for i, r in enumerate(requests)}))
+        return batch
+
+    def split(self, output: TensorDictBase, requests: Sequence[Any], keys: Sequence[Any]) -> list[list[Any]]:
+        columns = []
+        for key in keys:
+            values = output.get(key)
+            column = [values.get(str(i)) for i in range(len(requests))]
+            columns.append(
+                [
+                    v.reshape(*r.batch_shape, *v.shape[1:]) if len(r.batch_shape) > 1 else v
+                    for v, r in zip(column, requests)
+                ]
+            )
+        return columns
+
+
+_ROWS = "_batchserve_rows"
 
 
 class _Gateway:
@@ -558,6 +629,12 @@ class _Forward(TensorDictModuleBase):
         return _Forward(self.link, self.in_keys, self.out_keys)  # no weights: every replica shares the link
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        mode = interaction_type()
-        future = self.link.submit(tensordict.select(*self.in_keys), None if mode is None else mode.value)
-        return tensordict.update(future.result())
+        mode = None if interaction_type() is None else interaction_type().value
+        if tensordict.batch_dims:  # stacked: one request of its rows
+            return tensordict.update(self.link.submit(tensordict.select(*self.in_keys), mode).result())
+        requests = [  # unstacked (_Unstacked): the requests as they came
+            TensorDict({k: tensordict.get(k).get(str(i)) for k in self.in_keys}, batch_size=[n] if n else [])
+            for i, n in enumerate(tensordict.get(_ROWS).tolist())
+        ]
+        outputs = self.link.submit(requests, mode).result()
+        return TensorDict({k: TensorDict({str(i): o.get(k) for i, o in enumerate(outputs)}) for k in self.out_keys})
