@@ -409,10 +409,11 @@ def test_a_server_whose_forward_times_out_holds_up_no_other_servers_forwards():
 class CallsAnother(TensorDictModuleBase):
     """A policy whose forward is served by another server of its process; a RANDOM one waits for ``go`` first."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, blocking: bool) -> None:
         super().__init__()
         self.in_keys, self.out_keys = ["observation"], ["logits"]
         self.inner, self.entered, self.go = inner, threading.Event(), threading.Event()
+        self.blocking = blocking
 
     def __deepcopy__(self, memo):
         return self
@@ -421,18 +422,22 @@ class CallsAnother(TensorDictModuleBase):
         if interaction_type() is InteractionType.RANDOM:
             self.entered.set()
             assert self.go.wait(30)
-        inner = self.inner.submit(TensorDict(observation=td["observation"]), interaction=CURRENT)
-        td.set("logits", inner.result(10)["logits"])
+        request = TensorDict(observation=td["observation"], batch_size=td.batch_size)
+        if self.blocking:  # a serve loop's thread may call another server
+            td.set("logits", self.inner.remote_policy()(request)["logits"])
+        else:
+            td.set("logits", self.inner.submit(request, interaction=CURRENT).result(10)["logits"])
         return td
 
 
-def test_a_forward_that_calls_another_server_of_its_process_is_served_under_its_type_while_another_waits():
+@pytest.mark.parametrize("blocking", [False, True], ids=["submit", "call"])
+def test_a_forward_that_calls_another_server_of_its_process_is_served_under_its_type_while_another_waits(blocking):
     # The inner request is part of the running forward: made under the forward's type, its forward joins the
     # run. Made under the type the forward replaced, or waiting behind the DETERMINISTIC forward that waits for
     # the run to end, it would wait for itself.
     probe = ModeProbe()
     with BatchedPolicyServer(probe, max_batch_size=8, policy_version_key=None) as inner:
-        outer = CallsAnother(inner)
+        outer = CallsAnother(inner, blocking)
         with BatchedPolicyServer(outer, policy_version_key=None) as server, BatchedPolicyServer(probe) as third:
             held = server.submit(TensorDict(observation=torch.ones(2, 8), batch_size=[2]), interaction=RANDOM)
             assert outer.entered.wait(10)

@@ -54,12 +54,12 @@ _log = logging.getLogger(__name__)
 
 Outcome = tuple[list[Request], Any, BaseException | None]  # (requests, their columns, or the error they get)
 
-_LOOP_THREAD = threading.local()  # ``serving`` is set in the threads of serve loops
+_LOOP_THREAD = threading.local()  # ``serving``: the Serving whose serve loop the thread runs
 
 
-def in_serve_loop() -> bool:
-    """Whether the calling thread runs a serve loop (e.g. a submit's done-callback, run there)."""
-    return getattr(_LOOP_THREAD, "serving", False)
+def in_serve_loop(serving: Serving) -> bool:
+    """Whether the calling thread runs a serve loop of ``serving`` (e.g. a submit's done-callback, run there)."""
+    return getattr(_LOOP_THREAD, "serving", None) is serving
 
 
 def _refs(value: Any) -> int:
@@ -316,7 +316,7 @@ class Serving:
         # torch applies set_num_threads to a thread only once it asks; until
         # then MKL would run this thread's GEMMs on a team of one thread per core.
         torch.get_num_threads()
-        _LOOP_THREAD.serving = True
+        _LOOP_THREAD.serving = self
         while True:
             taken = self.queue.take_batch(replica.index)
             if taken is None:

@@ -108,7 +108,7 @@ class LocalEndpoint:
         """Serve ``td`` and block until its outputs are written into it."""
         if not self._here():
             return self._other_process().call(td)
-        if in_serve_loop():
+        if in_serve_loop(self._serving):
             raise BatchServeError(
                 "a blocking call from a serve loop's own thread (a submit's done-callback runs there) would wait "
                 "for itself; call submit() or acall() there, or hand the call to another thread"
