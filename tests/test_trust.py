@@ -13,7 +13,7 @@ from tensordict import TensorDict
 from tensordict.nn import InteractionType, TensorDictModule, TensorDictModuleBase
 from tensordict.nn.probabilistic import interaction_type
 
-from torchrl_batchserve import BatchedPolicyServer, ForwardTimeoutError, PolicyError
+from torchrl_batchserve import BatchedPolicyServer, ForwardTimeoutError, PolicyError, ServerBrokenError
 from torchrl_batchserve.intake import CURRENT
 from torchrl_batchserve.serve import GATE
 
@@ -448,6 +448,25 @@ def test_a_forward_that_calls_another_server_of_its_process_is_served_under_its_
             assert held.result(10)["logits"].shape == (2, 3)
             other.result(10)
     assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
+
+
+def test_a_forward_that_ends_after_its_server_broke_answers_with_the_break_not_its_outputs():
+    # A server that breaks (a forward timed out) releases its hold on the gate: a forward of another replica
+    # still running may then run on under another server's type, so its outputs are not handed out.
+    class BreaksMidway(TensorDictModuleBase):
+        in_keys, out_keys = ["observation"], ["logits"]
+
+        def __deepcopy__(self, memo):
+            return self
+
+        def forward(self, td):
+            server._serving.broken = ServerBrokenError("broke while this forward ran")  # as _break sets it
+            td.set("logits", td["observation"][..., :3] * 1)
+            return td
+
+    with BatchedPolicyServer(BreaksMidway()) as server:
+        with pytest.raises(ServerBrokenError, match="broke while this forward ran"):
+            server.remote_policy()(obs())
 
 
 def test_a_caller_of_the_servers_process_keeps_its_own_type_while_a_forward_has_set_another():

@@ -437,6 +437,8 @@ class Serving:
             if self._watchdog is not None:
                 self._watchdog.start(replica.index, group)
             output = replica.forward(batch, rows, self.max_batch_size, self.static_batch_size)
+        if self.broken is not None:  # broke meanwhile: the gate let other forwards change the type under this one
+            raise self.broken
         self._check(output, None if packed else rows)
         device = self.output_device or group[0].device
         output = replica.fetch(output, self.out_keys, device)
