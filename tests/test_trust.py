@@ -469,6 +469,39 @@ def test_a_forward_that_ends_after_its_server_broke_answers_with_the_break_not_i
             server.remote_policy()(obs())
 
 
+def _serve_in_a_forked_child(results) -> None:
+    try:
+        results.put(interaction_type())
+        with BatchedPolicyServer(TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])) as s:
+            results.put(s.submit(obs(), interaction=InteractionType.DETERMINISTIC).result(10)["logits"].shape)
+    except Exception as err:  # reported to the parent, which would otherwise only see a timeout
+        results.put(err)
+
+
+def test_a_process_forked_while_a_forward_runs_has_its_own_type_and_a_free_gate():
+    # The child inherited the forward's type and a gate held by a forward that does not run there: a server of
+    # its own waited for it forever.
+    import multiprocessing
+
+    probe = ModeProbe()
+    fork = multiprocessing.get_context("fork")
+    results = fork.Queue()
+    with BatchedPolicyServer(probe, max_batch_size=1, policy_version_key=None) as server:
+        held = server.submit(obs(), interaction=InteractionType.RANDOM)
+        assert probe.random_entered.wait(10)
+        child = fork.Process(target=_serve_in_a_forked_child, args=(results,))
+        child.start()
+        try:
+            assert results.get(timeout=30) is None  # the type in effect before the forward, not RANDOM
+            assert results.get(timeout=30) == (3,)
+        finally:
+            probe.go.set()
+            held.result(10)
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+
+
 def test_a_caller_of_the_servers_process_keeps_its_own_type_while_a_forward_has_set_another():
     # A worker's RANDOM batch runs in the server's process, under RANDOM for the whole process: a thread there
     # that set no type still submits under none, not under the forward's.

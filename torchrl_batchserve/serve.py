@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -232,6 +233,16 @@ class InteractionGate:
 
 
 GATE = InteractionGate()
+
+
+def _gate_after_fork() -> None:
+    """In a forked child no forward of the parent runs: take its type back, and start with a free gate."""
+    if GATE._setting is not None and interaction_type() == GATE._mode:
+        GATE._setting.__exit__(None, None, None)
+    GATE.__init__()  # type: ignore[misc]  # in place: modules that imported GATE keep it
+
+
+os.register_at_fork(after_in_child=_gate_after_fork)
 
 
 class Serving:
