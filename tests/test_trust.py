@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -360,34 +361,24 @@ class ModeProbe(TensorDictModuleBase):
         return td
 
 
-def test_batches_under_different_interaction_types_never_run_at_once_on_two_replicas():
-    # tensordict's interaction type is one value per process: a DETERMINISTIC batch on the free replica must
-    # wait for the RANDOM one running on the other, or that one would sample under DETERMINISTIC halfway.
+@pytest.mark.parametrize("where", ["two replicas", "two servers"])
+def test_forwards_of_two_interaction_types_never_run_at_once(where):
+    # tensordict's interaction type is one value per process: a DETERMINISTIC forward, on the free replica or of
+    # another server, must wait for the RANDOM one running, or that one would sample under DETERMINISTIC halfway.
     probe = ModeProbe()
-    with BatchedPolicyServer(probe, device=["cpu", "cpu"], max_batch_size=1, policy_version_key=None) as server:
-        held = server.submit(obs(), interaction=InteractionType.RANDOM)
-        assert probe.random_entered.wait(10)
-        other = server.submit(obs(), interaction=InteractionType.DETERMINISTIC)
-        wait_for(lambda: len(probe.started) == 2 or GATE._waiting == 1, "the other batch to start or wait")
-        probe.go.set()
-        held.result(10), other.result(10)
-        assert interaction_type() is None  # put back as found
-    assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
-
-
-def test_two_servers_of_one_process_never_run_forwards_of_two_types_at_once():
-    # The type is the process's, not a server's: a DETERMINISTIC forward of another server must wait too, or
-    # the RANDOM one would go on under DETERMINISTIC.
-    probe = ModeProbe()
-    first = BatchedPolicyServer(probe, max_batch_size=1, policy_version_key=None)
-    with first, BatchedPolicyServer(probe, max_batch_size=1, policy_version_key=None) as second:
+    kwargs = {"max_batch_size": 1, "policy_version_key": None}
+    with contextlib.ExitStack() as stack:
+        if where == "two replicas":
+            first = second = stack.enter_context(BatchedPolicyServer(probe, device=["cpu", "cpu"], **kwargs))
+        else:
+            first, second = (stack.enter_context(BatchedPolicyServer(probe, **kwargs)) for _ in range(2))
         held = first.submit(obs(), interaction=InteractionType.RANDOM)
         assert probe.random_entered.wait(10)
         other = second.submit(obs(), interaction=InteractionType.DETERMINISTIC)
         wait_for(lambda: len(probe.started) == 2 or GATE._waiting == 1, "the other batch to start or wait")
         probe.go.set()
         held.result(10), other.result(10)
-        assert interaction_type() is None
+        assert interaction_type() is None  # put back as found
     assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
 
 
