@@ -414,6 +414,7 @@ class BatchedPolicyServer(TensorDictModule):
             self._serving.fail_closed(self._queue.close(cancel_pending=True))  # gave up waiting: nothing stays queued
         self._endpoint.lazy_hub.close(left() if wait else 0.0)
         self._serving.close()
+        self._stats.stop()
         return stopped
 
     @property

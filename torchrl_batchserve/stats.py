@@ -44,7 +44,8 @@ class ServerStatistics:
     each kind), or with ``server.statistics(since=earlier)`` those recorded
     after ``earlier`` was taken, whose counters are then differences too (a
     training loop's last iteration, warm-up left out), and ``uptime`` the
-    seconds since then (``requests / uptime`` is the rate over that span). ``as_dict()`` is flat,
+    seconds since then (``requests / uptime`` is the rate over that span).
+    ``uptime`` stops when the server has closed. ``as_dict()`` is flat,
     for loggers (:func:`log_statistics`); ``dataclasses.asdict`` works too.
 
     Examples:
@@ -161,6 +162,7 @@ class StatisticsRecorder:
         self._advised_at = -ADVICE_INTERVAL
         self._lock = threading.Lock()
         self._started = time.monotonic()
+        self._ended: float | None = None  # when the server closed: its uptime stops there
         self._requests = 0
         self._rows = 0
         self._batches = 0
@@ -214,6 +216,12 @@ class StatisticsRecorder:
             "to about the rows that arrive; more actors per server fill batches (docs/guide.md, the batching rule)"
         )
 
+    def stop(self) -> None:
+        """The server closed: ``uptime`` counts no further."""
+        with self._lock:
+            if self._ended is None:
+                self._ended = time.monotonic()
+
     def rejected(self) -> None:
         with self._lock:
             self._rejected += 1
@@ -256,7 +264,7 @@ class StatisticsRecorder:
                 cache_hits=cache.hits if cache is not None else 0,
                 cache_misses=cache.misses if cache is not None else 0,
                 cache_coalesced=cache.coalesced if cache is not None else 0,
-                uptime=time.monotonic() - self._started,
+                uptime=(time.monotonic() if self._ended is None else self._ended) - self._started,
                 replicas=replicas,
                 sample_counts=samples,  # type: ignore[arg-type]
             )
