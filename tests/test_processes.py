@@ -669,6 +669,30 @@ def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps(co
         torch.testing.assert_close(out["logits"], pw.make_net(5)(torch.ones(8)))
 
 
+def test_a_weight_group_push_of_a_state_dict_may_leave_out_non_persistent_buffers():
+    class WithConstant(nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.net = pw.make_net(seed)
+            self.register_buffer("offset", torch.full((8,), float(seed)), persistent=False)
+
+        def forward(self, observation):
+            return self.net(observation + self.offset)
+
+    served = WithConstant(0)
+    with BatchedPolicyServer(TensorDictModule(served, in_keys=["observation"], out_keys=["logits"])) as server:
+        trainer, receiver = weight_group(server)
+        trained = WithConstant(4)
+        assert trainer.push(trained.state_dict()) == 1  # no offset in it: the served one stays
+        remote = server.remote_policy()
+        serve_until(remote, 1)
+        out = remote(TensorDict(observation=torch.ones(8)))
+        assert receiver.alive and receiver.error is None
+        trainer.close()
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], trained.net(torch.ones(8) + served.offset))
+
+
 def test_a_dead_trainer_leaves_the_server_serving_its_last_version():
     port = free_port()
     pushed = SPAWN.Event()

@@ -648,6 +648,38 @@ def test_the_weights_of_the_module_a_tensordictmodule_wraps_are_taken_as_its_own
             server.update_weights(torch.nn.Linear(8, 3))
 
 
+class WithConstant(torch.nn.Module):
+    """A linear layer on the input plus a non-persistent buffer (as a positional encoding often is)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = torch.nn.Linear(8, 3)
+        self.register_buffer("offset", torch.full((8,), float(seed)), persistent=False)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.linear(observation + self.offset)
+
+
+def test_a_state_dict_may_leave_out_the_buffers_a_state_dict_leaves_out():
+    # state_dict() has no non-persistent buffers, so every push of one was refused as "missing"
+    served = WithConstant(seed=0)
+    with BatchedPolicyServer(TensorDictModule(served, in_keys=["observation"], out_keys=["logits"])) as server:
+        remote = server.remote_policy()
+        trained = WithConstant(seed=5)
+        assert server.update_weights(trained.state_dict()) == 1  # the served offset stays
+        out = remote(obs())
+        with torch.no_grad():
+            torch.testing.assert_close(out["logits"], trained.linear(out["observation"] + served.offset))
+        assert server.update_weights(trained) == 2  # a module pushes its offset too
+        out = remote(obs())
+        with torch.no_grad():
+            torch.testing.assert_close(out["logits"], trained(out["observation"]))
+        partial = {"linear.weight": trained.linear.weight}
+        with pytest.raises(WeightSyncError, match=r"missing \[.*'linear', 'bias'"):  # a parameter may not be
+            server.update_weights(partial)
+
+
 def test_a_policy_whose_batch_norm_is_in_training_mode_is_served_with_a_warning_to_call_eval():
     net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])

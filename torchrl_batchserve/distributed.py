@@ -235,12 +235,13 @@ class WeightReceiver:
     def _check(self, version: int, layout: list) -> str | None:
         mine = {n: (s, d) for n, s, d in _layout(self._shadow.served)}
         theirs = {n: (s, d) for n, s, d in layout}
-        if mine != theirs:
-            diff = [
-                f"{n}: served {mine.get(n)}, pushed {theirs.get(n)}"
-                for n in sorted(set(mine) | set(theirs))
-                if mine.get(n) != theirs.get(n)
-            ]
+        optional = {".".join((k,) if isinstance(k, str) else k) for k in self._shadow.optional}  # may be left out
+        diff = [
+            f"{n}: served {mine.get(n)}, pushed {theirs.get(n)}"
+            for n in sorted(set(mine) | set(theirs))
+            if mine.get(n) != theirs.get(n) and not (n in optional and n not in theirs)
+        ]
+        if diff:
             return "metadata mismatch: " + "; ".join(diff[:5])
         if version <= self._shadow.latest_version:
             return f"version must increase: staged {self._shadow.latest_version}, pushed {version}"

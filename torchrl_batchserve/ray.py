@@ -103,7 +103,7 @@ def serve_on_ray(
         gateway_depth: batches each node's gateway keeps in flight to the server.
         server_kwargs: the ``BatchedPolicyServer`` keywords (``max_batch_size``,
             ``timeout``, ``device``, ...). Gateways batch with the same
-            ``max_batch_size`` and ``timeout``, and stack their requests.
+            ``max_batch_size`` and ``timeout``.
 
     Needs a connected Ray (``ray.init``) in the calling process.
     """
@@ -133,15 +133,19 @@ class RayServer:
     Every copy, on any node, reaches the same server.
     """
 
-    def __init__(self, actor: Any, *, in_keys: list, out_keys: list, layout: TensorDictBase) -> None:
+    def __init__(
+        self, actor: Any, *, in_keys: list, out_keys: list, layout: TensorDictBase, optional: Any = ()
+    ) -> None:
         self.actor = actor
         self.in_keys = list(in_keys)
         self.out_keys = list(out_keys)
-        self._layout = ShadowWeights(layout)  # the served names, shapes, dtypes (meta tensors): pushes checked here
+        # the served names, shapes, dtypes (meta tensors) and what a push may leave out: pushes are checked here
+        self._layout = ShadowWeights(layout, optional=optional)
         self._version = 0  # the newest version this handle pushed or saw
 
     def __reduce__(self) -> tuple:
-        return _handle, (self.actor, self.in_keys, self.out_keys, self._layout.served, self._version)
+        layout = self._layout
+        return _handle, (self.actor, self.in_keys, self.out_keys, layout.served, layout.optional, self._version)
 
     def remote_policy(self) -> RemotePolicy:
         """A :class:`~torchrl_batchserve.RemotePolicy` that works in any Ray task, actor or driver."""
@@ -218,8 +222,10 @@ def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
     return versions[0]
 
 
-def _handle(actor: Any, in_keys: list, out_keys: list, layout: TensorDictBase, version: int) -> RayServer:
-    handle = RayServer(actor, in_keys=in_keys, out_keys=out_keys, layout=layout)
+def _handle(
+    actor: Any, in_keys: list, out_keys: list, layout: TensorDictBase, optional: Any, version: int
+) -> RayServer:
+    handle = RayServer(actor, in_keys=in_keys, out_keys=out_keys, layout=layout, optional=optional)
     handle._version = version
     return handle
 
@@ -357,7 +363,13 @@ class _ServerActor:
         if self._failure is not None:
             raise self._failure
         layout = TensorDict.from_module(self._server.policy).apply(lambda t: torch.empty_like(t, device="meta"))
-        return {"in_keys": self._server.in_keys, "out_keys": self._server.out_keys, "layout": layout}
+        optional = self._server._weights.optional
+        return {
+            "in_keys": self._server.in_keys,
+            "out_keys": self._server.out_keys,
+            "layout": layout,
+            "optional": optional,
+        }
 
     def connect(self, node: str) -> RemotePolicy:
         """The policy a client on ``node`` uses: this server's hub here, the node's gateway elsewhere."""

@@ -42,7 +42,7 @@ from torchrl_batchserve.replica import Replica, served_copy
 from torchrl_batchserve.serve import Serving
 from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder
 from torchrl_batchserve.transport.local import LazyHub, LocalEndpoint
-from torchrl_batchserve.weights import ShadowWeights
+from torchrl_batchserve.weights import ShadowWeights, non_persistent
 
 __all__ = ["BatchedPolicyServer"]
 
@@ -315,7 +315,7 @@ class BatchedPolicyServer(TensorDictModule):
         self.cache = cache
         self.collate = collate
         first = TensorDict.from_module(served[0])
-        self._weights = ShadowWeights(first, devices[0])
+        self._weights = ShadowWeights(first, devices[0], non_persistent(served[0]))
         self._replicas = [Replica(m, d, self._weights, i) for i, (m, d) in enumerate(zip(served, devices))]
         self._queue = RequestQueue(max_batch_size, timeout, max_queue_size, max_batch_cost, runners=len(devices))
         self._stats = StatisticsRecorder(max_batch_size, timeout)

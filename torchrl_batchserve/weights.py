@@ -25,7 +25,7 @@ from torch import nn
 
 from torchrl_batchserve.errors import WeightSyncError
 
-__all__ = ["ShadowWeights", "Snapshot", "as_weights"]
+__all__ = ["ShadowWeights", "Snapshot", "as_weights", "non_persistent"]
 
 
 def as_weights(weights: Any) -> TensorDictBase:
@@ -57,6 +57,9 @@ class ShadowWeights:
         layout: the served parameters and buffers (``TensorDict.from_module``
             of a served copy): pushes must match their names, shapes and dtypes.
         device: where snapshots are kept (the first replica's device).
+        optional: keys of ``layout`` a push may leave out, which then keep
+            their served values: the buffers a ``state_dict`` leaves out
+            (:func:`non_persistent`).
 
     Examples:
         >>> import torch
@@ -71,9 +74,10 @@ class ShadowWeights:
         (1, [1.0, 1.0])
     """
 
-    def __init__(self, layout: TensorDictBase, device: torch.device | None = None) -> None:
+    def __init__(self, layout: TensorDictBase, device: torch.device | None = None, optional: Any = ()) -> None:
         self._layout = layout
         self._device = device
+        self.optional = frozenset(optional)
         self._lock = threading.Lock()
         self._latest = Snapshot(0, None)
 
@@ -100,15 +104,17 @@ class ShadowWeights:
         itself, compiled or not (``update_weights(net)``, its state_dict, a
         weight group's push of it), names them without these.
         """
-        served = [_path(k) for k in self._layout.keys(True, True)]
-        if names == set(served):
+        served = {_path(k) for k in self._layout.keys(True, True)}
+        required = served - {_path(k) for k in self.optional}
+        if required <= names <= served:
             return None
         plain = {_plain(k): k for k in served}
         top = list(self._layout.keys())
         wrapper = len(top) == 1 and isinstance(self._layout.get(top[0]), TensorDictBase)
         for prefix in ((), (top[0],)) if wrapper else ((),):
             renamed = {n: plain.get(prefix + _plain(n)) for n in names}
-            if len(names) == len(plain) == len(served) and set(renamed.values()) == set(served):
+            found = set(renamed.values())
+            if len(plain) == len(served) and len(found) == len(names) and required <= found <= served:
                 return renamed  # type: ignore[return-value]
         return None
 
@@ -128,11 +134,11 @@ class ShadowWeights:
             value = weights.get(key, None)
             if value is not None:  # non-tensor data where a tensor is served
                 raise WeightSyncError(f"weight {key!r}: expected a tensor, got {type(value).__name__}")
-        if served != given:
-            missing = sorted(map(str, served - given))
+        if not served - self.optional <= given <= served:
+            missing = sorted(map(str, served - given - self.optional))
             extra = sorted(map(str, given - served))
             raise WeightSyncError(f"weights do not match the served policy: missing {missing}, unexpected {extra}")
-        for key in served:
+        for key in given:
             target, value = self._layout.get(key), weights.get(key)
             if value.is_meta:
                 raise WeightSyncError(f"weight {key!r}: is on the meta device (it holds no values to serve)")
@@ -146,8 +152,10 @@ class ShadowWeights:
         """Check and copy ``weights``; return the version they serve as from every replica's next batch."""
         version = check_version(version)
         weights = self.fit(as_weights(weights))
-        with torch.no_grad():
-            tensors = self._layout.apply(lambda ref, w: w.detach().to(self._device or ref.device, copy=True), weights)
+        keys = list(weights.keys(True, True))
+        layout = self._layout if len(keys) == len(self._layout.keys(True, True)) else self._layout.select(*keys)
+        with torch.no_grad():  # left-out optional entries keep their served values
+            tensors = layout.apply(lambda ref, w: w.detach().to(self._device or ref.device, copy=True), weights)
         ready = None
         if tensors.device is None or tensors.device.type == "cuda":
             ready = _record_event(tensors)
@@ -158,6 +166,13 @@ class ShadowWeights:
                 raise WeightSyncError(f"version must increase: staged {self._latest.version}, got {version}")
             self._latest = Snapshot(version, tensors, ready)
         return version
+
+
+def non_persistent(module: nn.Module) -> frozenset:
+    """The keys (as ``TensorDict.from_module`` names them) of the buffers ``module``'s state_dict leaves out."""
+    kept = set(module.state_dict(keep_vars=True))
+    names = (tuple(name.split(".")) for name, _ in module.named_buffers() if name not in kept)
+    return frozenset(path[0] if len(path) == 1 else path for path in names)
 
 
 def check_version(version: Any) -> int | None:
