@@ -92,6 +92,23 @@ def padded_factory() -> TensorDictModule:
     return TensorDictModule(MaskedMean(), in_keys=["obs", "mask"], out_keys=["act", "real"])
 
 
+class Shifted(torch.nn.Module):
+    """``factory``'s linear layer on the input plus a non-persistent buffer (a state_dict leaves it out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 3)
+        self.register_buffer("shift", torch.ones(4), persistent=False)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.linear(obs + self.shift)
+
+
+def shifted_factory() -> TensorDictModule:
+    return TensorDictModule(Shifted(), in_keys=["obs"], out_keys=["act"])
+
+
 def slow_factory() -> TensorDictModule:
     return TensorDictModule(SlowLinear(), in_keys=["obs"], out_keys=["act"])
 
@@ -306,6 +323,21 @@ def test_versions_are_exact_across_pushes_and_a_bad_push_changes_nothing(cluster
         # A handle pickled elsewhere (a trainer on another node) pushes to the same server.
         copy = cloudpickle.loads(cloudpickle.dumps(handle))
         assert isinstance(copy, RayServer) and copy.update_weights(pushed[5]) == 6
+
+
+def test_a_pushed_state_dict_may_leave_out_a_non_persistent_buffer(cluster):
+    # The handle checks a push against the served layout before it sends it: it refused the state_dict.
+    with served(shifted_factory, max_batch_size=16, timeout=0.002) as handle:
+        trained = Shifted()
+        with torch.no_grad():
+            trained.linear.weight.mul_(-2)
+            trained.shift.fill_(5)  # not in its state_dict: the server keeps its own
+        assert handle.update_weights(trained.state_dict()) == 1
+        x = observation(0, 1)
+        out = handle.remote_policy()(TensorDict(obs=x))
+        with torch.no_grad():
+            torch.testing.assert_close(out["act"], trained.linear(x + 1))
+        assert cloudpickle.loads(cloudpickle.dumps(handle)).update_weights(trained.state_dict()) == 2
 
 
 def test_one_push_reaches_several_servers_as_one_version_or_none(cluster):
