@@ -325,7 +325,7 @@ def test_versions_are_exact_across_pushes_and_a_bad_push_changes_nothing(cluster
         assert isinstance(copy, RayServer) and copy.update_weights(pushed[5]) == 6
 
 
-def test_a_pushed_state_dict_may_leave_out_a_non_persistent_buffer(cluster):
+def test_a_handle_its_copy_and_its_scheme_push_a_state_dict_that_leaves_out_a_non_persistent_buffer(cluster):
     # The handle checks a push against the served layout before it sends it: it refused the state_dict.
     with served(shifted_factory, max_batch_size=16, timeout=0.002) as handle:
         trained = Shifted()
@@ -338,6 +338,12 @@ def test_a_pushed_state_dict_may_leave_out_a_non_persistent_buffer(cluster):
         with torch.no_grad():
             torch.testing.assert_close(out["act"], trained.linear(x + 1))
         assert cloudpickle.loads(cloudpickle.dumps(handle)).update_weights(trained.state_dict()) == 2
+        scheme = handle.weight_sync_scheme()  # what a collector's update_policy_weights_ calls
+        scheme.init_on_sender(model_id="policy", context=None)
+        scheme.connect()
+        assert scheme.send(trained.state_dict()) == 3
+        with pytest.raises(WeightSyncError, match="no trainer module in this process"):
+            scheme.send()  # update_policy_weights_() with no weights: a bare TypeError before
 
 
 def test_one_push_reaches_several_servers_as_one_version_or_none(cluster):

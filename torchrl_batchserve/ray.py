@@ -151,12 +151,14 @@ class RayServer:
         """A :class:`~torchrl_batchserve.RemotePolicy` that works in any Ray task, actor or driver."""
         return RemotePolicy(RayEndpoint(self.actor), self.in_keys, self.out_keys)
 
-    def update_weights(self, weights: Any) -> int:
+    def update_weights(self, weights: Any = None) -> int:
         """Push ``weights`` (a module, a TensorDict or a state_dict); return the version they serve as.
 
         :func:`push_weights` to this server alone: checked here first, a
         mismatch raises :class:`~torchrl_batchserve.errors.WeightSyncError`,
-        nothing is sent and the server keeps its weights.
+        nothing is sent and the server keeps its weights. No weights (a
+        collector's ``update_policy_weights_()``) is a ``WeightSyncError``
+        too: this process holds no served module to take them from.
         """
         return push_weights([self], weights)
 
