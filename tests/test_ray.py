@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 from ray import cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from torchrl_batchserve import EvaluationCache, LengthCost, PadCollate  # noqa: E402
+from torchrl_batchserve import EvaluationCache, LengthCost, PackCollate, PadCollate  # noqa: E402
 from torchrl_batchserve.errors import ServerBrokenError, WeightSyncError  # noqa: E402
 from torchrl_batchserve.ray import RayServer, push_weights, serve_on_ray  # noqa: E402
 
@@ -86,6 +86,23 @@ class MaskedMean(torch.nn.Module):
 
     def forward(self, obs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.linear((obs * mask.unsqueeze(-1)).sum(-2) / mask.sum(-1, keepdim=True)), mask.float()
+
+
+class PackedMean(torch.nn.Module):
+    """``factory``'s linear layer on the mean of each set of packed elements; a 1 per element."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, obs, segment_ids, offsets) -> tuple[torch.Tensor, torch.Tensor]:
+        sums = torch.zeros(len(offsets) - 1, 4).index_add_(0, segment_ids, obs)
+        return self.linear(sums / offsets.diff().unsqueeze(-1)), torch.ones(len(obs))
+
+
+def packed_factory() -> TensorDictModule:
+    return TensorDictModule(PackedMean(), in_keys=["obs", "segment_ids", "offsets"], out_keys=["act", "real"])
 
 
 def padded_factory() -> TensorDictModule:
@@ -294,6 +311,16 @@ def test_gateways_of_a_padded_server_with_a_cost_bound_serve_its_variable_length
         for x, act in rows:
             torch.testing.assert_close(act, reference(None, x).expand_as(act))
         assert handle.statistics().rows == 2 * (12 + 4)  # every third request has two rows
+
+
+def test_gateways_of_a_packing_server_serve_its_variable_length_requests(cluster):
+    with served(
+        packed_factory, max_batch_size=16, timeout=0.01, collate=PackCollate(["obs"], element_keys=["real"])
+    ) as handle:
+        actors = spread(handle.remote_policy(), 2)
+        rows = [row for rows in ray.get([a.sequences.remote(9, [2, 4, 1]) for a in actors]) for row in rows]
+        for x, act in rows:
+            torch.testing.assert_close(act, reference(None, x).expand_as(act))
 
 
 def test_versions_are_exact_across_pushes_and_a_bad_push_changes_nothing(cluster):
