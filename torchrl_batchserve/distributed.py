@@ -62,7 +62,12 @@ def _wait(work: Any) -> None:
 
 
 def _layout(weights: TensorDictBase) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    return [(".".join(k) if isinstance(k, tuple) else k, tuple(v.shape), v.dtype) for k, v in _leaves(weights)]
+    return [(_name(k), tuple(v.shape), v.dtype) for k, v in _leaves(weights)]
+
+
+def _name(key: Any) -> str:
+    """A weight's key as one dotted name."""
+    return ".".join(key) if isinstance(key, tuple) else key
 
 
 def _leaves(weights: TensorDictBase) -> list[tuple[Any, torch.Tensor]]:
@@ -235,7 +240,7 @@ class WeightReceiver:
     def _check(self, version: int, layout: list) -> str | None:
         mine = {n: (s, d) for n, s, d in _layout(self._shadow.served)}
         theirs = {n: (s, d) for n, s, d in layout}
-        optional = {".".join((k,) if isinstance(k, str) else k) for k in self._shadow.optional}  # may be left out
+        optional = {_name(k) for k in self._shadow.optional}  # may be left out
         diff = [
             f"{n}: served {mine.get(n)}, pushed {theirs.get(n)}"
             for n in sorted(set(mine) | set(theirs))

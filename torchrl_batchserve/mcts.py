@@ -55,6 +55,12 @@ __all__ = ["Node", "Tree", "TreeSearch"]
 Walker = Generator[TensorDictBase, TensorDictBase, None]
 
 
+def _check_finite(name: str, number: Any, positive: bool = False) -> None:
+    """Raise ``ValueError`` unless ``number`` is a finite number >= 0 (> 0 if ``positive``)."""
+    if not (isinstance(number, (int, float)) and (0 < number if positive else 0 <= number) and number < math.inf):
+        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0 (got {number!r})")
+
+
 class Node:
     """A position of the tree: its env state and the statistics of its moves.
 
@@ -192,11 +198,9 @@ class TreeSearch:
         for name, value in (("searchers", searchers), ("leaves_per_request", leaves_per_request)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
-        for name, number in (("virtual_loss", virtual_loss), ("c_puct", c_puct)):
-            if not (isinstance(number, (int, float)) and 0 <= number < math.inf):
-                raise ValueError(f"{name} must be a finite number >= 0 (got {number!r})")
-        if not (isinstance(dirichlet_alpha, (int, float)) and 0 < dirichlet_alpha < math.inf):
-            raise ValueError(f"dirichlet_alpha must be a finite number > 0 (got {dirichlet_alpha!r})")
+        _check_finite("virtual_loss", virtual_loss)
+        _check_finite("c_puct", c_puct)
+        _check_finite("dirichlet_alpha", dirichlet_alpha, positive=True)
         if not 0 <= dirichlet_eps <= 1:
             raise ValueError(f"dirichlet_eps must be in [0, 1] (got {dirichlet_eps!r})")
         self.env = env
@@ -457,8 +461,7 @@ class TreeSearch:
         """Refuse a run that cannot be searched; the root's request when it is not expanded yet."""
         if not isinstance(simulations, int) or isinstance(simulations, bool) or simulations < 1:
             raise ValueError(f"simulations must be an int >= 1 (got {simulations!r})")
-        if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
-            raise ValueError(f"temperature must be a finite number >= 0 (got {temperature!r})")
+        _check_finite("temperature", temperature)
         root = tree.root
         if root.terminal is not None or not any(root.legal):
             raise ValueError("the root is a finished game: there is nothing to search")

@@ -643,7 +643,8 @@ class _Forward(TensorDictModuleBase):
         return _Forward(self.link, self.in_keys, self.out_keys)  # no weights: every replica shares the link
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        mode = None if interaction_type() is None else interaction_type().value
+        mode = interaction_type()
+        mode = None if mode is None else mode.value
         if tensordict.batch_dims:  # stacked: one request of its rows
             return tensordict.update(self.link.submit(tensordict.select(*self.in_keys), mode).result())
         requests = [  # unstacked (_Unstacked): the requests as they came

@@ -156,6 +156,9 @@ class InteractionGate:
     """
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self._cond = threading.Condition()
         self._mode: Any = None
         self._running: dict[Any, int] = {}  # the forwards running now, by the server they belong to
@@ -224,6 +227,12 @@ class InteractionGate:
             outside = self._setting is not None and mode == self._mode and not self.inside()
             return self._found if outside else mode
 
+    def after_fork(self) -> None:
+        """In a forked child no forward of the parent runs: take its type back, and start free."""
+        if self._setting is not None and interaction_type() == self._mode:
+            self._setting.__exit__(None, None, None)
+        self._reset()
+
     def release(self, owner: Serving) -> None:
         """``owner`` broke: its forwards (one may never end) hold the gate no longer; its waiting ones fail."""
         with self._cond:
@@ -233,16 +242,7 @@ class InteractionGate:
 
 
 GATE = InteractionGate()
-
-
-def _gate_after_fork() -> None:
-    """In a forked child no forward of the parent runs: take its type back, and start with a free gate."""
-    if GATE._setting is not None and interaction_type() == GATE._mode:
-        GATE._setting.__exit__(None, None, None)
-    GATE.__init__()  # type: ignore[misc]  # in place: modules that imported GATE keep it
-
-
-os.register_at_fork(after_in_child=_gate_after_fork)
+os.register_at_fork(after_in_child=GATE.after_fork)  # in place: modules that imported GATE keep it
 
 
 class Serving:
