@@ -32,7 +32,12 @@ SPAWN = mp.get_context("spawn")
 
 
 def slot_mappings() -> int:
-    """Shared memory (slots, headers) and eventfds (bells) this process still maps or holds a descriptor of."""
+    """Shared memory (slots, headers) and eventfds (bells) this process still maps or holds a descriptor of.
+
+    Collected first: dropped clients of earlier tests, still in reference cycles, would otherwise go in the middle
+    of a test that counts before and after.
+    """
+    gc.collect()
     with open("/proc/self/maps") as f:
         mapped = sum("torchrl_batchserve-" in line for line in f)
     fds = 0
@@ -498,6 +503,16 @@ def weight_group(server: BatchedPolicyServer) -> tuple:
         return trainer.result(timeout=60), receiver
 
 
+def result_at(server: BatchedPolicyServer, trainer, receiver, version: int) -> TensorDict:
+    """``server``'s result for ones once it serves ``version``; its receiver stayed healthy; the trainer leaves."""
+    remote = server.remote_policy()
+    serve_until(remote, version)
+    out = remote(TensorDict(observation=torch.ones(8)))
+    assert receiver.alive and receiver.error is None
+    trainer.close()
+    return out
+
+
 def test_trainer_pushes_versions_to_two_server_processes_over_a_dedicated_group():
     import torch.distributed as dist
 
@@ -642,11 +657,7 @@ def test_a_push_that_loses_to_a_local_update_is_dropped_and_the_receiver_takes_t
         pushed = TensorDictModule(pw.make_net(11), in_keys=["observation"], out_keys=["logits"])
         trainer.push(pushed, version=1)  # staged too late: dropped
         trainer.push(pushed, version=11)
-        remote = server.remote_policy()
-        serve_until(remote, 11)
-        out = remote(TensorDict(observation=torch.ones(8)))
-        assert receiver.alive and receiver.error is None
-        trainer.close()
+        out = result_at(server, trainer, receiver, 11)
     with torch.no_grad():
         torch.testing.assert_close(out["logits"], pw.make_net(11)(torch.ones(8)))
 
@@ -660,11 +671,7 @@ def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps(co
         assert trainer.push(pw.make_net(5)) == 1  # its names lack the wrapper's "module."
         with pytest.raises(WeightSyncError, match="version must be an int .*, got 2.5"):
             trainer.push(pw.make_net(6), version=2.5)  # refused before anything is sent
-        remote = server.remote_policy()
-        serve_until(remote, 1)
-        out = remote(TensorDict(observation=torch.ones(8)))
-        assert receiver.alive and receiver.error is None
-        trainer.close()
+        out = result_at(server, trainer, receiver, 1)
     with torch.no_grad():
         torch.testing.assert_close(out["logits"], pw.make_net(5)(torch.ones(8)))
 
@@ -684,11 +691,7 @@ def test_a_weight_group_push_of_a_state_dict_may_leave_out_non_persistent_buffer
         trainer, receiver = weight_group(server)
         trained = WithConstant(4)
         assert trainer.push(trained.state_dict()) == 1  # no offset in it: the served one stays
-        remote = server.remote_policy()
-        serve_until(remote, 1)
-        out = remote(TensorDict(observation=torch.ones(8)))
-        assert receiver.alive and receiver.error is None
-        trainer.close()
+        out = result_at(server, trainer, receiver, 1)
     with torch.no_grad():
         torch.testing.assert_close(out["logits"], trained.net(torch.ones(8) + served.offset))
 
