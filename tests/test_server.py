@@ -680,6 +680,24 @@ def test_a_state_dict_may_leave_out_the_buffers_a_state_dict_leaves_out():
             server.update_weights(partial)
 
 
+def test_a_push_that_leaves_out_a_buffer_keeps_the_value_an_earlier_push_gave_it_even_if_no_batch_ran_between():
+    # A replica applies only the newest snapshot: one that left the buffer out made it skip the value of the
+    # push before it, so results stamped with the newest version used the buffer the server was built with.
+    served = WithConstant(seed=0)
+    policy = TensorDictModule(served, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, device=["cpu", "cpu"]) as server:
+        remote = server.remote_policy()
+        remote(obs())  # both replicas are built; neither has served a push
+        pushed, later = WithConstant(seed=5), WithConstant(seed=7)
+        assert server.update_weights(pushed) == 1  # offset 5
+        assert server.update_weights(later.state_dict()) == 2  # no offset: 5 stays
+        results = [remote(obs()) for _ in range(8)]
+    assert all(int(out["policy_version"]) == 2 for out in results)
+    with torch.no_grad():
+        for out in results:
+            torch.testing.assert_close(out["logits"], later.linear(out["observation"] + pushed.offset))
+
+
 def test_a_policy_whose_batch_norm_is_in_training_mode_is_served_with_a_warning_to_call_eval():
     net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])

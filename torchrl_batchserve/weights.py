@@ -58,8 +58,8 @@ class ShadowWeights:
             of a served copy): pushes must match their names, shapes and dtypes.
         device: where snapshots are kept (the first replica's device).
         optional: keys of ``layout`` a push may leave out, which then keep
-            their served values: the buffers a ``state_dict`` leaves out
-            (:func:`non_persistent`).
+            the values of the last push that had them (before any, the served
+            ones): the buffers a ``state_dict`` leaves out (:func:`non_persistent`).
 
     Examples:
         >>> import torch
@@ -154,16 +154,21 @@ class ShadowWeights:
         weights = self.fit(as_weights(weights))
         keys = list(weights.keys(True, True))
         layout = self._layout if len(keys) == len(self._layout.keys(True, True)) else self._layout.select(*keys)
-        with torch.no_grad():  # left-out optional entries keep their served values
+        with torch.no_grad():
             tensors = layout.apply(lambda ref, w: w.detach().to(self._device or ref.device, copy=True), weights)
-        ready = None
-        if tensors.device is None or tensors.device.type == "cuda":
-            ready = _record_event(tensors)
         with self._lock:
+            earlier = self._latest
             if version is None:
-                version = self._latest.version + 1
-            elif version <= self._latest.version:
-                raise WeightSyncError(f"version must increase: staged {self._latest.version}, got {version}")
+                version = earlier.version + 1
+            elif version <= earlier.version:
+                raise WeightSyncError(f"version must increase: staged {earlier.version}, got {version}")
+            after = None
+            if layout is not self._layout and earlier.tensors is not None:
+                # A replica applies the newest snapshot only: left-out entries carry the values pushed before
+                # (before any push, the served ones, which every replica shares).
+                tensors.update(earlier.tensors.exclude(*keys))
+                after = earlier.ready
+            ready = _record_event(tensors, after) if tensors.device is None or tensors.device.type == "cuda" else None
             self._latest = Snapshot(version, tensors, ready)
         return version
 
@@ -196,11 +201,17 @@ def _plain(path: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(p for p in path if p != "_orig_mod")
 
 
-def _record_event(tensors: TensorDictBase) -> Any:
-    """An event on the current stream of the snapshot's CUDA device, after its copies (``None`` on CPU)."""
+def _record_event(tensors: TensorDictBase, after: Any = None) -> Any:
+    """An event on the current stream of the snapshot's CUDA device, after its copies and ``after``.
+
+    ``None`` on CPU. ``after``: the event of an earlier snapshot whose tensors this one shares.
+    """
     if not torch.cuda.is_available():
         return None
     for value in tensors.values(True, True):
         if value.is_cuda:
-            return torch.cuda.current_stream(value.device).record_event()
+            stream = torch.cuda.current_stream(value.device)
+            if after is not None:
+                stream.wait_event(after)
+            return stream.record_event()
     return None
