@@ -627,6 +627,35 @@ def test_collector_weight_updates_reach_the_server(kind):
     assert seen == [[0], [1], [2]]  # new rollouts carry the new version
 
 
+@pytest.mark.parametrize("target", ["server", "scheme"])
+def test_the_legacy_weight_updater_serves_the_trained_module_on_an_update_with_no_argument(target):
+    # It dropped update_policy_weights_() with no argument: a trainer training the served module in place
+    # kept collecting with the weights of version 0.
+    from torchrl.collectors import Collector
+    from torchrl.envs import PendulumEnv
+
+    from torchrl_batchserve import weight_updater
+
+    policy = TensorDictModule(PendulumPolicy(), in_keys=["th", "thdot"], out_keys=["action"])
+    kw = {"frames_per_batch": 16, "total_frames": 48, "auto_register_policy_transforms": False}
+    with BatchedPolicyServer(policy, max_batch_size=8, timeout=0.005) as server:
+        updater = weight_updater(server if target == "server" else server.weight_sync_scheme())
+        collector = Collector(PendulumEnv, server.remote_policy(), weight_updater=updater, **kw)
+        seen = []
+        try:
+            for batch in collector:
+                with torch.no_grad():  # the module trained in place, as it was at the last update
+                    torch.testing.assert_close(batch["action"], policy.module(batch["th"], batch["thdot"]))
+                seen.append(batch["policy_version"].unique().tolist())
+                with torch.no_grad():
+                    for p in policy.parameters():
+                        p.add_(0.1)
+                collector.update_policy_weights_()
+        finally:
+            collector.shutdown()
+    assert seen == [[0], [1], [2]]
+
+
 def test_scheme_arguments_and_clean_import():
     import subprocess
     import sys

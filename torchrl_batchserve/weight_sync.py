@@ -204,7 +204,9 @@ def weight_updater(target: Any) -> Any:
     """A legacy ``WeightUpdaterBase`` for ``Collector(..., weight_updater=...)``.
 
     ``target`` is a :class:`BatchedPolicyServer` in this process or a
-    :class:`BatchServeWeightSyncScheme`. The class is created on first call
+    :class:`BatchServeWeightSyncScheme`; ``update_policy_weights_()`` with no
+    argument pushes what the scheme's ``send()`` does (the current weights of
+    the module the server was built with). The class is created on first call
     (``WeightUpdaterBase`` warns when subclassed; TorchRL deprecates it in
     favour of :class:`BatchServeWeightSyncScheme`, which new code should use).
     """
@@ -219,17 +221,11 @@ def weight_updater(target: Any) -> Any:
                 """Pushes a collector's ``update_policy_weights_`` to a server."""
 
                 def __init__(self, target: Any) -> None:
-                    self._target = target
+                    scheme = getattr(target, "weight_sync_scheme", None)  # a server, or a scheme already
+                    self._scheme = target if scheme is None else scheme()
 
                 def _sync_weights_with_worker(self, *, worker_id: Any = None, server_weights: Any) -> None:
-                    if server_weights is None:
-                        return
-                    if hasattr(self._target, "update_weights"):
-                        weights = as_weights(server_weights)
-                        if not weights.is_empty():
-                            self._target.update_weights(weights)
-                    else:
-                        self._target.send(server_weights)
+                    self._scheme.send(server_weights)  # None: the module the server serves, as trained now
 
                 def _get_server_weights(self) -> Any:
                     return None
