@@ -712,6 +712,19 @@ def test_a_policy_whose_batch_norm_is_in_training_mode_is_served_with_a_warning_
         torch.testing.assert_close(td["logits"], net(td["observation"].unsqueeze(0))[0])
 
 
+def test_a_policy_with_uninitialized_lazy_weights_is_refused_naming_them():
+    # Before, torch's bare error from deep inside the copy; a served copy would also initialize on its own.
+    from torchrl.modules import MLP
+
+    policy = TensorDictModule(MLP(out_features=2, num_cells=[8]), in_keys=["observation"], out_keys=["logits"])
+    with pytest.raises(ValueError, match=r"\['module.0.weight', 'module.0.bias'\] are not initialized .*policy\(env"):
+        BatchedPolicyServer(policy)
+    policy(obs())  # initialized: served, with the trainer's weights
+    with BatchedPolicyServer(policy) as server:
+        out = server.remote_policy()(obs())
+    torch.testing.assert_close(out["logits"], policy(out.clone())["logits"])
+
+
 def test_constructor_rejects_policies_without_keys():
     with pytest.raises(TypeError, match="plain nn.Module: pass in_keys= and out_keys="):
         BatchedPolicyServer(torch.nn.Linear(2, 2))

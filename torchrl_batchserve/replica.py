@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, is_non_tensor
 from tensordict.nn import TensorDictModuleBase
+from torch.nn.parameter import is_lazy
 
 from torchrl_batchserve.errors import PolicyError
 from torchrl_batchserve.weights import ShadowWeights
@@ -40,6 +41,12 @@ def served_copy(policy: TensorDictModuleBase, device: torch.device | None) -> Te
     Parameters, buffers and submodules are copied; a plain attribute that
     cannot be copied (a lock, an event, a handle) is shared with ``policy``.
     """
+    lazy = [name for name, t in (*policy.named_parameters(), *policy.named_buffers()) if is_lazy(t)]
+    if lazy:
+        raise ValueError(
+            f"the policy's {lazy} are not initialized (lazy modules): call the policy once on a sample request "
+            "(e.g. policy(env.reset())) before serving it, so that the served copy has the weights it has"
+        )
     memo: dict[int, Any] = {}
     for module in policy.modules():
         for value in vars(module).values():
