@@ -722,6 +722,10 @@ def test_a_policy_with_uninitialized_lazy_weights_is_refused_naming_them():
     policy(obs())  # initialized: served, with the trainer's weights
     with BatchedPolicyServer(policy) as server:
         out = server.remote_policy()(obs())
+        lazy = TensorDictModule(MLP(out_features=2, num_cells=[8]), in_keys=["observation"], out_keys=["logits"])
+        for weights in (lazy, lazy.state_dict()):  # a bare RuntimeError from torch before
+            with pytest.raises(WeightSyncError, match=r"\('module', '0', 'weight'\).* are not initialized"):
+                server.update_weights(weights)
     torch.testing.assert_close(out["logits"], policy(out.clone())["logits"])
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from torchrl_batchserve.errors import WeightSyncError
 
@@ -31,12 +32,19 @@ __all__ = ["ShadowWeights", "Snapshot", "as_weights", "non_persistent"]
 def as_weights(weights: Any) -> TensorDictBase:
     """A TensorDict of weights from a TensorDict, a module or a state_dict."""
     if isinstance(weights, TensorDictBase):
-        return weights
-    if isinstance(weights, nn.Module):
-        return TensorDict.from_module(weights)
-    if isinstance(weights, Mapping):
-        return TensorDict(dict(weights), batch_size=[]).unflatten_keys(".")
-    raise WeightSyncError(f"weights must be a TensorDict, an nn.Module or a state_dict, got {type(weights).__name__}")
+        td = weights
+    elif isinstance(weights, nn.Module):
+        td = TensorDict.from_module(weights)
+    elif isinstance(weights, Mapping):
+        td = TensorDict(dict(weights), batch_size=[]).unflatten_keys(".")
+    else:
+        raise WeightSyncError(
+            f"weights must be a TensorDict, an nn.Module or a state_dict, got {type(weights).__name__}"
+        )
+    lazy = [key for key, value in td.items(True, True) if is_lazy(value)]
+    if lazy:
+        raise WeightSyncError(f"weights {lazy} are not initialized (lazy modules): run the module once first")
+    return td
 
 
 class Snapshot:
