@@ -441,6 +441,38 @@ def test_a_forward_that_calls_another_server_of_its_process_is_served_under_its_
     assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
 
 
+@pytest.mark.parametrize("how", ["call", "submit", "acall"])
+def test_a_worker_client_in_a_process_running_a_forward_sends_its_callers_type_not_the_forwards(how):
+    # While a forward of this process's server runs, the process-wide type is the forward's; a worker client
+    # (of a server elsewhere) read it, so a caller that set no type had its request run under the forward's
+    # RANDOM.
+    import asyncio
+    import pickle
+
+    from process_workers import ModeEcho
+
+    probe = ModeProbe()
+    echo = TensorDictModule(ModeEcho(), in_keys=["observation"], out_keys=["mode"])
+    with BatchedPolicyServer(probe, policy_version_key=None) as local, BatchedPolicyServer(echo) as elsewhere:
+        client = pickle.loads(pickle.dumps(elsewhere.remote_policy()))  # as a worker process holds it
+        client(obs())  # connected
+        held = local.submit(obs(), interaction=InteractionType.RANDOM)
+        assert probe.random_entered.wait(10)
+        with ThreadPoolExecutor(1) as pool:
+            if how == "call":
+                pending = pool.submit(client, obs())
+            elif how == "submit":
+                pending = client.submit(obs())
+            else:
+                pending = pool.submit(asyncio.run, client.acall(obs()))
+            # (both servers are in this process here: a forward of no type waits for the RANDOM run to end)
+            wait_for(lambda: GATE._waiting == 1 or pending.done(), "the request's forward to wait, or to end")
+            probe.go.set()
+            out = pending.result(10)
+        held.result(10)
+    assert int(out["mode"]) == 0  # no type, as the caller was under
+
+
 def test_a_forward_that_ends_after_its_server_broke_answers_with_the_break_not_its_outputs():
     # A server that breaks (a forward timed out) releases its hold on the gate: a forward of another replica
     # still running may then run on under another server's type, so its outputs are not handed out.

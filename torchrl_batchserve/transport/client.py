@@ -33,12 +33,12 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 from tensordict import TensorDictBase
-from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError
 from torchrl_batchserve.intake import CURRENT
 from torchrl_batchserve.layout import request_entries
 from torchrl_batchserve.request import write_outputs
+from torchrl_batchserve.serve import GATE
 from torchrl_batchserve.transport.hub import ADMITTED, HANDSHAKE_TIMEOUT, REFUSED_BROKEN
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Lane, Slot, on_host
 from torchrl_batchserve.transport.wire import Wire
@@ -162,7 +162,7 @@ class ProcessClient:
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[TensorDictBase] = loop.create_future()
-        mode = interaction_type()  # now: another task may change it while this one waits for the pool
+        mode = GATE.callers_mode()  # now: another task may change it while this one waits for the pool
         sent = self._send(td, mode, (loop, future, td))
         if sent is None:
             return await asyncio.wrap_future(self._pool().submit(self.call, td, mode))
@@ -401,8 +401,12 @@ class ProcessClient:
 
 
 def _mode(interaction: Any) -> Any:
-    """The interaction type a request runs under: ``interaction``, or the one in effect for ``CURRENT``."""
-    return interaction_type() if interaction is CURRENT else interaction
+    """The interaction type a request runs under: ``interaction``, or the caller's for ``CURRENT``.
+
+    The caller's: the one in effect, unless a forward of a server of this process replaced it meanwhile
+    (:meth:`~torchrl_batchserve.serve.InteractionGate.callers_mode`).
+    """
+    return GATE.callers_mode() if interaction is CURRENT else interaction
 
 
 def _set_results(replies: list[Any]) -> None:
