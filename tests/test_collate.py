@@ -357,6 +357,29 @@ def test_non_tensor_where_a_tensor_was_fixed_is_a_bad_request():
             remote(TensorDict(x="two"))
 
 
+# -- a TorchRL-style collate_fn ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", ["lazy_stack", "torch.stack"])
+def test_a_collate_fn_gets_one_tensordict_per_row_so_requests_of_several_rows_batch_too(fn):
+    # It got each request's TensorDict whole: a request of batch [3] stacked to (1, 3) and failed as a
+    # PolicyError ("expected a leading dim of the batch's 3 rows").
+    from tensordict import lazy_stack
+
+    net = nn.Linear(4, 2)
+    gated = Gated(TensorDictModule(net, in_keys=["observation"], out_keys=["logits"]))
+    collate_fn = lazy_stack if fn == "lazy_stack" else torch.stack
+    shapes = [[], [3], [], [2, 3], [1]]
+    tds = [TensorDict(observation=torch.randn(*shape, 4), batch_size=shape) for shape in shapes]
+    with BatchedPolicyServer(gated, collate=collate_fn, max_batch_size=64, timeout=1e6) as server:
+        outs = serve_held(server, gated, tds[0], tds[1:])
+    assert [b.batch_size[0] for b in gated.batches] == [1, 3 + 1 + 6 + 1]  # the held row, then the rest in one
+    with torch.no_grad():
+        for out, shape in zip(outs, shapes):
+            assert out.batch_size == torch.Size(shape)
+            torch.testing.assert_close(out["logits"], net(out["observation"]))
+
+
 # -- cost-bounded batches -------------------------------------------------------------------
 
 

@@ -200,9 +200,10 @@ def _stack_non_tensor(items: list[Any], requests: Sequence[Request]) -> Any:
 class FunctionCollate:
     """Adapt a TorchRL-style ``collate_fn(list[TensorDict]) -> TensorDict``.
 
-    The function receives the requests' TensorDicts in arrival order and must
-    return a batch whose leading dim is their total rows; outputs are split
-    back by rows, as with :class:`StackCollate`.
+    The function receives one TensorDict per row, in arrival order (a
+    request of several rows gives its rows, as ``td.reshape(-1).unbind(0)``),
+    and must return a batch whose leading dim is their number; outputs are
+    split back by rows, as with :class:`StackCollate`.
 
     Args:
         fn: the collate function, e.g. :func:`tensordict.lazy_stack`.
@@ -225,7 +226,7 @@ class FunctionCollate:
         self.fn = fn
 
     def collate(self, requests: Sequence[Request], keys: Sequence[Any]) -> TensorDictBase:
-        return self.fn([r.td for r in requests])
+        return self.fn([row for r in requests for row in (r.td.reshape(-1).unbind(0) if r.batch_shape else [r.td])])
 
     def split(self, output: TensorDictBase, requests: Sequence[Request], keys: Sequence[Any]) -> list[Sequence[Any]]:
         return split_rows(output, requests, keys)
