@@ -380,6 +380,28 @@ def test_a_collate_fn_gets_one_tensordict_per_row_so_requests_of_several_rows_ba
             torch.testing.assert_close(out["logits"], net(out["observation"]))
 
 
+def test_what_a_policy_writes_into_a_collate_fns_batch_never_reaches_the_callers_tensordicts():
+    # The function got the callers' own TensorDicts: a lazy_stack of them made every write of the forward a write
+    # into the callers' TensorDicts, from the serve thread, mid-forward; entries that are no out_key stayed there.
+    from tensordict import lazy_stack
+
+    class Scratch(TensorDictModuleBase):
+        in_keys, out_keys = ["observation"], ["logits"]
+
+        def forward(self, td):
+            td.set("scratch", td["observation"] * 2)
+            td.set("logits", td["scratch"][..., :2] + 1)
+            return td
+
+    with BatchedPolicyServer(Scratch(), collate=lazy_stack) as server:
+        remote = server.remote_policy()
+        tds = [TensorDict(observation=torch.randn(4)), TensorDict(observation=torch.randn(2, 4), batch_size=[2])]
+        outs = [remote(td) for td in tds]
+    for td, out in zip(tds, outs):
+        assert out is td and sorted(out.keys()) == ["logits", "observation", "policy_version"]
+        torch.testing.assert_close(out["logits"], out["observation"][..., :2] * 2 + 1)
+
+
 # -- cost-bounded batches -------------------------------------------------------------------
 
 

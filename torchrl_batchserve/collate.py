@@ -202,8 +202,10 @@ class FunctionCollate:
 
     The function receives one TensorDict per row, in arrival order (a
     request of several rows gives its rows, as ``td.reshape(-1).unbind(0)``),
-    and must return a batch whose leading dim is their number; outputs are
-    split back by rows, as with :class:`StackCollate`.
+    holding the entries the policy reads (new TensorDicts: what the policy
+    writes into the batch, e.g. into a ``lazy_stack`` of them, never reaches
+    the callers' own), and must return a batch whose leading dim is their
+    number; outputs are split back by rows, as with :class:`StackCollate`.
 
     Args:
         fn: the collate function, e.g. :func:`tensordict.lazy_stack`.
@@ -226,7 +228,11 @@ class FunctionCollate:
         self.fn = fn
 
     def collate(self, requests: Sequence[Request], keys: Sequence[Any]) -> TensorDictBase:
-        return self.fn([row for r in requests for row in (r.td.reshape(-1).unbind(0) if r.batch_shape else [r.td])])
+        rows: list[TensorDictBase] = []
+        for request in requests:
+            td = request.td.select(*keys)
+            rows.extend(td.reshape(-1).unbind(0) if request.batch_shape else [td])
+        return self.fn(rows)
 
     def split(self, output: TensorDictBase, requests: Sequence[Request], keys: Sequence[Any]) -> list[Sequence[Any]]:
         return split_rows(output, requests, keys)
