@@ -230,6 +230,18 @@ def test_a_static_batch_size_pads_every_forward_and_drops_the_padded_rows(net):
             server.remote_policy()(obs())
 
 
+@pytest.mark.parametrize("settings", [{"max_batch_size": 4}, {"max_batch_size": 4, "static_batch_size": 8}])
+def test_a_module_that_returns_its_outputs_in_a_new_tensordict_runs_in_slices_and_padded(net, settings):
+    # TensorDictModule(..., inplace=False) returns a TensorDict of batch size []: a request larger than a batch
+    # failed with tensordict's bare RuntimeError, and every padded forward was refused as a PolicyError.
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"], inplace=False)
+    with BatchedPolicyServer(policy, **settings) as server:
+        outs = [server.remote_policy()(obs(rows)) for rows in (1, 3, 10)]
+    with torch.no_grad():
+        for td in outs:
+            torch.testing.assert_close(td["logits"], net(td["observation"]))
+
+
 def test_remote_policy_is_a_module_without_parameters(policy):
     with BatchedPolicyServer(policy) as server:
         remote = server.remote_policy()

@@ -145,10 +145,10 @@ class Replica:
         rows = batch.batch_size[0]
         if static_rows is None or rows == static_rows:
             output = self.module(batch)
-            return batch if output is None else output
+            return batch if output is None else _batched(output, rows)
         padded = torch.cat([batch, batch[-1:].expand(static_rows - rows)])  # the last row again
         output = self.module(padded)
-        output = padded if output is None else output
+        output = padded if output is None else _batched(output, static_rows)
         if not isinstance(output, TensorDictBase) or output.batch_size[:1] != (static_rows,):
             got = list(output.batch_size) if isinstance(output, TensorDictBase) else type(output).__name__
             raise PolicyError(f"static_batch_size={static_rows}: the policy must return {static_rows} rows, got {got}")
@@ -173,6 +173,23 @@ class Replica:
             if value.is_cuda:
                 value.record_stream(torch.cuda.current_stream(value.device))
         return output
+
+
+def _batched(output: Any, rows: int) -> Any:
+    """``output`` with a batch dim of its ``rows``, when every entry has them.
+
+    A ``TensorDictModule(..., inplace=False)`` returns its outputs in a new
+    TensorDict of batch size ``[]``, which can be neither cut nor concatenated
+    by rows.
+    """
+    if not isinstance(output, TensorDictBase) or output.batch_dims:
+        return output
+    batched = output.copy()
+    try:
+        batched.batch_size = torch.Size([rows])
+    except RuntimeError:
+        return output  # not every entry has the rows: the output checks say which
+    return batched
 
 
 def _leaves(td: TensorDictBase, keys: Sequence[Any] | None = None) -> Iterator[torch.Tensor]:
