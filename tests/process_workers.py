@@ -250,3 +250,14 @@ def call_until_it_fails(remote: Any, results: Any) -> None:
             results.put((done, type(err).__name__, str(err)))
             return
     results.put((50, None, None))
+
+
+def outcomes(remote: Any, values: list[float], results: Any) -> None:
+    """Calls with an observation of each value; reports each outcome: the error's type, or its first logit."""
+    out = []
+    for value in values:
+        try:
+            out.append(("ok", float(remote(TensorDict(observation=torch.full((8,), value)))["logits"][0])))
+        except Exception as err:
+            out.append((type(err).__name__, str(err)))
+    results.put(out)

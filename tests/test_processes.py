@@ -816,6 +816,48 @@ def test_threads_tasks_and_futures_of_one_worker_share_its_remote_policy_and_bat
             torch.testing.assert_close(torch.tensor(logits), net(torch.tensor(obs)))
 
 
+class ServerOnlyError(Exception):
+    """An error of a class that worker processes cannot import (its module exists in the server's process only)."""
+
+
+def test_a_reply_a_worker_cannot_take_fails_that_request_alone():
+    # Outputs that do not pickle broke the serve loop (the server served no one after), and an error of a class
+    # the worker cannot import broke the worker's connection (every later call: "the server is closed").
+    import sys
+    import types
+
+    from tensordict import NonTensorStack
+    from tensordict.nn import TensorDictModuleBase
+
+    class Picky(TensorDictModuleBase):
+        in_keys, out_keys = ["observation"], ["logits", "info"]
+
+        def forward(self, td):
+            first = td["observation"][:, 0]
+            if bool((first < -5).any()):
+                raise ServerOnlyError("a policy error of a class only the server's process has")
+            td.set("logits", td["observation"] * 2)
+            return td.set("info", NonTensorStack(*[threading.Lock() if v < 0 else "fine" for v in first.tolist()]))
+
+    module = types.ModuleType("server_only_errors")
+    module.ServerOnlyError = ServerOnlyError
+    saved = (ServerOnlyError.__module__, sys.modules.get(module.__name__))
+    ServerOnlyError.__module__, sys.modules[module.__name__] = module.__name__, module
+    try:
+        with BatchedPolicyServer(Picky()) as server:
+            [got] = run_workers(SPAWN, pw.outcomes, [(server.remote_policy(), [-1.0, 1.0, -10.0, 1.0, -1.0, 1.0])])
+            assert server._serving.broken is None
+            assert server.remote_policy()(TensorDict(observation=torch.ones(8)))["info"] == "fine"  # serves on
+    finally:
+        ServerOnlyError.__module__ = saved[0]
+        if saved[1] is None:
+            del sys.modules[module.__name__]
+    kinds = [kind for kind, _ in got]
+    assert kinds == ["PolicyError", "ok", "BatchServeError", "ok", "PolicyError", "ok"], got
+    assert "outputs do not pickle" in got[0][1] and "cannot be read in this process" in got[2][1]
+    assert "server_only_errors" in got[2][1] and got[1] == ("ok", 2.0)
+
+
 def test_a_request_answered_before_the_hub_offers_a_lane_still_earns_the_client_one():
     from torchrl_batchserve import EvaluationCache
 

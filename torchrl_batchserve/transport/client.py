@@ -34,7 +34,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError
+from torchrl_batchserve.errors import BatchServeError, ServerBrokenError, ServerClosedError
 from torchrl_batchserve.intake import CURRENT
 from torchrl_batchserve.layout import request_entries
 from torchrl_batchserve.request import write_outputs
@@ -365,7 +365,13 @@ class ProcessClient:
         if kind == "broken":
             self._fail(ServerBrokenError(message[1]))
             return
-        _, seq, error, values, keys, out = message
+        _, seq, outcome, out = message
+        error = values = keys = None
+        if outcome is not None:
+            try:
+                error, values, keys = pickle.loads(outcome)
+            except Exception as err:  # an error or an output of a class this process cannot import
+                error = BatchServeError(f"the server's reply cannot be read in this process: {err!r}")
         if out is not None:  # the lane's new output slot, its outputs in it
             fields, capacity, size = out
             slot = Slot.attach(fields, capacity, size, conn.take_fd())

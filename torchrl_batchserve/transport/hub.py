@@ -52,9 +52,10 @@ Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`):
   (``payload``: the pickled inputs).
 * hub -> client: ``("bells",)`` with the headers' memory, the request bell and
   the reply bell; ``("lane", index, fields, capacity, size)`` with its input
-  slot; ``("done", seq, error, values, keys, out)``, where ``values`` is
-  ``None`` when the outputs are in the lane and ``out`` is ``(fields,
-  capacity, size)`` when a new output slot comes with it; ``("closed",)``;
+  slot; ``("done", seq, outcome, out)``, where ``outcome`` is ``(error,
+  values, keys)`` pickled on its own (a worker that cannot read it fails that
+  request alone), or ``None`` when the outputs are in the lane, and ``out`` is
+  ``(fields, capacity, size)`` when a new output slot comes with it; ``("closed",)``;
   ``("broken", reason)`` if the reader died (a bug), then end-of-file.
 
 ``seq`` numbers a client's requests: each reply goes to the caller of its
@@ -88,7 +89,7 @@ from typing import Any
 from tensordict import TensorDict
 from tensordict.nn import InteractionType
 
-from torchrl_batchserve.errors import BadRequestError, portable
+from torchrl_batchserve.errors import BadRequestError, PolicyError, portable
 from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.request import Request
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot, on_host, storable
@@ -138,19 +139,32 @@ class _Client:
                 os.close(fd)
 
     def reply(self, request: ProcessRequest) -> None:
-        """Send ``request``'s outcome: its outputs in its lane, or over the socket."""
+        """Send ``request``'s outcome: its outputs in its lane, or over the socket.
+
+        It fails this request alone, never the serve loop that completes it.
+        """
         with self.send_lock:
             lane, seq = request.lane, request.seq
             self.in_flight -= 1
-            if request.error is not None:
-                self._send(("done", seq, portable(request.error), None, None, None))
-            elif lane is None:
-                self._send(("done", seq, None, list(request.values), list(request.keys), None))  # pickled
-            else:
-                try:
+            try:
+                if request.error is not None:
+                    self._send(_done(seq, request.error))
+                elif lane is None:
+                    self._send_outputs(request)
+                else:
                     self._reply(request, lane)
-                except Exception as err:  # e.g. no memory for a slot: this request fails, not the batch
-                    self._send(("done", seq, portable(err), None, None, None))
+            except Exception as err:  # e.g. no memory for a slot
+                self._send(_done(seq, err))
+
+    def _send_outputs(self, request: ProcessRequest) -> None:
+        """The outputs pickled; ones that do not pickle fail the request with a :class:`PolicyError`."""
+        keys = list(request.keys)
+        try:
+            message = _done(request.seq, values=list(request.values), keys=keys)
+        except Exception as err:
+            error = PolicyError(f"out_keys {keys}: the outputs do not pickle, so they cannot reach a worker ({err!r})")
+            message = _done(request.seq, error)
+        self._send(message)
 
     def _reply(self, request: ProcessRequest, lane: Lane) -> None:
         values, keys, rows, shape = list(request.values), list(request.keys), request.rows, request.batch_shape
@@ -164,14 +178,14 @@ class _Client:
                 self.alive = False
             return
         if not all(storable(v) for v in values):
-            self._send(("done", request.seq, None, values, keys, None))  # non-tensor outputs: pickled
+            self._send_outputs(request)  # non-tensor outputs: pickled
             return
         # The lane's first outputs (or of a new shape): a new output slot comes with this reply.
         specs = [(k, v.dtype, tuple(v.shape[len(shape) :])) for k, v in zip(keys, values)]
         slot, fd = Slot.create(specs, lane.inputs.capacity)
         slot.write(values, rows, shape)
         lane.outputs = slot
-        self._send(("done", request.seq, None, None, None, slot.describe()), fds=[fd])
+        self._send(_done(request.seq, out=slot.describe()), fds=[fd])
 
     def close(self) -> None:
         """Close every descriptor, once (the caller holds ``send_lock`` or is the only thread left).
@@ -188,6 +202,18 @@ class _Client:
                 close()
             except OSError:
                 pass
+
+
+def _done(seq: int, error: BaseException | None = None, values: Any = None, keys: Any = None, out: Any = None) -> tuple:
+    """The ``done`` message of request ``seq``: its outcome pickled on its own (``None``: outputs in the lane).
+
+    So an outcome the worker cannot unpickle (an error or an output of a class
+    it cannot import) fails that request alone, not the worker's connection.
+    """
+    outcome = None
+    if error is not None or values is not None:
+        outcome = pickle.dumps((None if error is None else portable(error), values, keys), pickle.HIGHEST_PROTOCOL)
+    return ("done", seq, outcome, out)
 
 
 class ProcessRequest(Request):
@@ -403,7 +429,7 @@ class ProcessHub:
             self.arrived["lane"] += 1
         except BaseException as err:  # whatever the lane held, it fails this request only
             if seq:
-                client.send(("done", seq, portable(err), None, None, None))
+                client.send(_done(seq, err))
             else:
                 _log.error("worker client %d rang lane %d with no request in it: %r", client.ident, index, err)
 
@@ -434,7 +460,7 @@ class ProcessHub:
             self._queue(client, request)
             self.arrived["socket"] += 1
         except BaseException as err:  # whatever the message did, it fails this request only
-            client.send(("done", seq, portable(err), None, None, None))
+            client.send(_done(seq, err))
 
     def _queue(self, client: _Client, request: ProcessRequest) -> None:
         """Count ``request`` in flight until its reply, and put it."""
