@@ -178,6 +178,17 @@ class Actor:
         assert all(td["real"].shape == td["obs"].shape[:-1] and bool(td["real"].all()) for td in outs)
         return [(x, td["act"]) for x, td in zip(xs, outs)]
 
+    def outcomes(self, values: list[float]) -> list[tuple[str, str]]:
+        """A call with an observation of each value: ``("ok", "")`` or the error's class and message."""
+        out = []
+        for value in values:
+            try:
+                self.remote(TensorDict(obs=torch.full((4,), value)))
+                out.append(("ok", ""))
+            except Exception as err:  # the class is what the test checks
+                out.append((type(err).__name__, str(err)))
+        return out
+
     def until_error(self, seconds: float) -> tuple[str, float]:
         """Call until a call fails; the error's class and when it came."""
         deadline = time.time() + seconds
@@ -466,7 +477,7 @@ def test_a_gateway_link_given_a_reply_to_no_batch_fails_every_batch_in_flight():
     import threading
     from multiprocessing.connection import Listener
 
-    from torchrl_batchserve.ray import _Link, _recv, _send
+    from torchrl_batchserve.ray import _Link, _outcome, _recv, _send
 
     listener = Listener(("127.0.0.1", 0), authkey=b"k" * 16)
     checked = threading.Event()
@@ -474,7 +485,7 @@ def test_a_gateway_link_given_a_reply_to_no_batch_fails_every_batch_in_flight():
     def server_actor() -> None:  # reads two batches, answers a third that was never sent
         with listener.accept() as conn:
             seqs = [_recv(conn)[0], _recv(conn)[0]]
-            _send(conn, (max(seqs) + 1, None, TensorDict()))
+            _send(conn, (max(seqs) + 1, _outcome(None, TensorDict())))
             checked.wait(30)  # the connection stays open: only the stray reply can end the link
 
     thread = threading.Thread(target=server_actor)
@@ -491,3 +502,68 @@ def test_a_gateway_link_given_a_reply_to_no_batch_fails_every_batch_in_flight():
         checked.set()
         thread.join(30)
         listener.close()
+
+
+def test_a_gateway_link_fails_only_the_batch_whose_reply_it_cannot_read():
+    # An error or an output of a class the gateway's node cannot import ended the link: every batch in flight
+    # on that node failed with it.
+    import threading
+    from multiprocessing.connection import Listener
+
+    from torchrl_batchserve.errors import BatchServeError
+    from torchrl_batchserve.ray import _Link, _outcome, _recv, _send
+
+    listener = Listener(("127.0.0.1", 0), authkey=b"k" * 16)
+    act, checked = TensorDict(act=torch.ones(3)), threading.Event()
+
+    def server_actor() -> None:
+        with listener.accept() as conn:
+            first, second = _recv(conn)[0], _recv(conn)[0]
+            _send(conn, (first, b"not a pickle of this node's"))
+            _send(conn, (second, _outcome(None, act)))
+            _send(conn, (_recv(conn)[0], _outcome(None, act)))
+            checked.wait(30)  # the connection stays open while the test looks at the link
+
+    thread = threading.Thread(target=server_actor)
+    thread.start()
+    link = _Link(listener.address, b"k" * 16)
+    try:
+        unreadable, fine = (link.submit(TensorDict(obs=torch.ones(4)), None) for _ in range(2))
+        with pytest.raises(BatchServeError, match="the server's reply cannot be read on this node"):
+            unreadable.result(10)
+        assert torch.equal(fine.result(10)["act"], act["act"])
+        assert torch.equal(link.submit(TensorDict(obs=torch.ones(4)), None).result(10)["act"], act["act"])
+        assert link.broken is None
+    finally:
+        checked.set()
+        thread.join(30)
+        listener.close()
+
+
+class Unpicklable(torch.nn.Module):
+    """``factory``'s linear layer, and per row an object that does not pickle when its first input is negative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, obs: torch.Tensor):
+        import threading
+
+        from tensordict import NonTensorStack
+
+        info = NonTensorStack(*[threading.Lock() if v < 0 else "fine" for v in obs[:, 0].tolist()])
+        return self.linear(obs), info
+
+
+def unpicklable_factory() -> TensorDictModule:
+    return TensorDictModule(Unpicklable(), in_keys=["obs"], out_keys=["act", "info"])
+
+
+def test_outputs_that_cannot_reach_a_gateway_fail_their_batch_with_a_policy_error(cluster):
+    with served(unpicklable_factory) as handle:
+        actor = spread(handle.remote_policy(), 1)[0]
+        got = ray.get(actor.outcomes.remote([1.0, -1.0, 1.0]))
+    assert [kind for kind, _ in got] == ["ok", "PolicyError", "ok"], got
+    assert "the outputs do not pickle" in got[1][1]

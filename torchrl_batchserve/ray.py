@@ -62,7 +62,14 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.nn.probabilistic import InteractionType, interaction_type
 
-from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError, portable
+from torchrl_batchserve.errors import (
+    BatchServeError,
+    PolicyError,
+    ServerBrokenError,
+    ServerClosedError,
+    WeightSyncError,
+    portable,
+)
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics
@@ -425,11 +432,13 @@ class _ServerActor:
             error = future.exception()
             # on the host: a CUDA tensor (output_device="cuda") would unpickle on the gateway's GPU, or fail there
             outputs = None if error is not None else _each(future.result(), lambda td: td.select(*self._returned).cpu())
+            try:
+                outcome = _outcome(error, outputs)
+            except Exception as err:  # outputs that do not pickle: this batch fails, not the link
+                error = PolicyError(f"the outputs do not pickle, so they cannot reach the gateway ({err!r})")
+                outcome = _outcome(error, None)
             with send, contextlib.suppress(OSError):
-                try:
-                    _send(conn, (seq, None if error is None else portable(error), outputs))
-                except Exception as err:  # outputs that do not pickle: this batch fails, not the link
-                    _send(conn, (seq, portable(err), None))
+                _send(conn, (seq, outcome))
 
         while True:
             try:
@@ -446,7 +455,7 @@ class _ServerActor:
                 future = _all(_each(batch, submit))
             except Exception as err:  # refused at once (closed, bad rows): this batch only
                 with send, contextlib.suppress(OSError):
-                    _send(conn, (seq, portable(err), None))
+                    _send(conn, (seq, _outcome(err, None)))
                 continue
             future.add_done_callback(functools.partial(reply, seq))
 
@@ -484,6 +493,11 @@ def _send(conn: Connection, message: Any) -> None:
 
 def _recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
+
+
+def _outcome(error: BaseException | None, outputs: Any) -> bytes:
+    """A batch's reply pickled on its own: one that a gateway cannot unpickle fails that batch, not the link."""
+    return pickle.dumps((None if error is None else portable(error), outputs), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _each(items: Any, fn: Callable[[Any], Any]) -> Any:
@@ -613,9 +627,13 @@ class _Link:
     def _read(self) -> None:
         try:
             while True:
-                seq, error, outputs = _recv(self._conn)
+                seq, outcome = _recv(self._conn)
                 with self._lock:
                     future = self._waiting.pop(seq)  # a reply to no batch in flight is a broken link too
+                try:
+                    error, outputs = pickle.loads(outcome)
+                except Exception as err:  # an error or an output of a class this node cannot import
+                    error = BatchServeError(f"the server's reply cannot be read on this node: {err!r}")
                 if error is not None:
                     future.set_exception(error)
                 else:
