@@ -538,6 +538,34 @@ def test_a_caller_that_left_after_its_batch_ran_but_before_its_relay_started_hol
     assert relay._tail is None  # the chain ran out
 
 
+def test_a_worker_task_cancelled_while_its_first_request_runs_never_writes_into_its_tensordict_later():
+    # A worker's first request travels pickled, awaited from a pool thread that wrote the outputs into the
+    # caller's TensorDict when they came, cancelled or not: a TensorDict the task had reused by then (a new
+    # observation set, a second call answered) got the first call's stale outputs.
+    gated = GatedPolicy(make_mlp(), block_first=1)
+
+    async def main(client) -> tuple:
+        td = obs()
+        first = asyncio.create_task(client.acall(td))
+        assert await asyncio.to_thread(gated.entered.wait, 10)  # its forward holds replica 0
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        td["observation"] = torch.randn(8)  # the task moves on with the same TensorDict
+        second = await client.acall(td)  # served by replica 1
+        return td, second["logits"].clone()
+
+    with BatchedPolicyServer(gated, device=["cpu", "cpu"]) as server:
+        client = client_of(server)
+        td, answered = asyncio.run(main(client))
+        gated.gate.set()
+        wait_for(lambda: server.statistics().requests == 2, "the first request to be answered")
+        client._endpoint._executor.shutdown(wait=True)  # what its pool thread does with the reply is done
+    torch.testing.assert_close(td["logits"], answered)
+    with torch.no_grad():
+        torch.testing.assert_close(td["logits"], gated.net(td["observation"]))
+
+
 def test_cancelled_asyncio_callers_are_dropped_while_queued_and_ignored_once_running():
     gated = GatedPolicy(make_mlp(), block_first=1)
     loop_errors: list = []

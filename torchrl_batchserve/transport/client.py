@@ -141,7 +141,12 @@ class ProcessClient:
 
     def call(self, td: TensorDictBase, interaction: Any = CURRENT) -> TensorDictBase:
         """Serve ``td`` and block until its outputs are written into it (``interaction``: default, the current)."""
-        conn, seq = self._send(td, _mode(interaction))  # type: ignore[misc]
+        write_outputs(td, *self._outputs(td, _mode(interaction)))
+        return td
+
+    def _outputs(self, td: TensorDictBase, mode: Any) -> tuple[Any, Any]:
+        """Send ``td``'s request and block until its reply: the ``(keys, values)`` of its outputs."""
+        conn, seq = self._send(td, mode)  # type: ignore[misc]
         try:
             error, keys, values = self._wait(conn, seq)
         finally:
@@ -150,8 +155,7 @@ class ProcessClient:
                 self._replies.pop(seq, None)
         if error is not None:
             raise error
-        write_outputs(td, keys, values)
-        return td
+        return keys, values
 
     async def acall(self, td: TensorDictBase) -> TensorDictBase:
         """``await``-able :meth:`call`; the event loop never waits on the server.
@@ -164,8 +168,9 @@ class ProcessClient:
         future: asyncio.Future[TensorDictBase] = loop.create_future()
         mode = GATE.callers_mode()  # now: another task may change it while this one waits for the pool
         sent = self._send(td, mode, (loop, future, td))
-        if sent is None:
-            return await asyncio.wrap_future(self._pool().submit(self.call, td, mode))
+        if sent is None:  # written here, not in the pool: a task cancelled meanwhile may have reused ``td``
+            write_outputs(td, *await asyncio.wrap_future(self._pool().submit(self._outputs, td, mode)))
+            return td
         try:
             return await future
         finally:
