@@ -566,6 +566,35 @@ def test_a_worker_task_cancelled_while_its_first_request_runs_never_writes_into_
         torch.testing.assert_close(td["logits"], gated.net(td["observation"]))
 
 
+def test_a_worker_submit_whose_outputs_are_being_written_can_no_longer_be_cancelled(monkeypatch):
+    # Its future stayed pending while the outputs were written into the caller's TensorDict: a cancel() then
+    # succeeded, and the caller, told its call was cancelled, had the outputs written into its TensorDict after.
+    from torchrl_batchserve.transport import client as client_module
+
+    writing, release = threading.Event(), threading.Event()
+    write = client_module.write_outputs
+
+    def held_write(td, keys, values):
+        if threading.current_thread().name.startswith("batchserve-client"):  # the submit's settling
+            writing.set()
+            assert release.wait(10)
+        write(td, keys, values)
+
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        client = client_of(server)
+        client(obs())  # connected, with a lane: a submit goes through it and the client's pool settles it
+        monkeypatch.setattr(client_module, "write_outputs", held_write)
+        td = obs()
+        future = client.submit(td)
+        assert writing.wait(10)
+        cancelled = future.cancel()
+        release.set()
+        assert not cancelled and future.result(10) is td
+    with torch.no_grad():
+        torch.testing.assert_close(td["logits"], policy.module(td["observation"]))
+
+
 def test_cancelled_asyncio_callers_are_dropped_while_queued_and_ignored_once_running():
     gated = GatedPolicy(make_mlp(), block_first=1)
     loop_errors: list = []

@@ -427,11 +427,13 @@ def _set_results(replies: list[Any]) -> None:
 
 def _set_result(waiter: tuple[Any, Any, TensorDictBase], reply: tuple[Any, Any, Any]) -> None:
     """Resolve ``waiter``'s future to its TensorDict with the outputs written, or to the error."""
-    _, future, td = waiter
+    loop, future, td = waiter
     error, keys, values = reply
     try:
-        if future.done():
+        if loop is None and not future.set_running_or_notify_cancel():  # a submit's: cannot be cancelled from now
             return  # cancelled by its caller
+        if future.done():
+            return  # an asyncio task's, cancelled
         if error is not None:
             future.set_exception(error)
             return
