@@ -595,6 +595,39 @@ def test_a_worker_submit_whose_outputs_are_being_written_can_no_longer_be_cancel
         torch.testing.assert_close(td["logits"], policy.module(td["observation"]))
 
 
+def test_a_coalesced_submit_whose_outputs_are_being_written_can_no_longer_be_cancelled(monkeypatch):
+    # A follower's future is never claimed by a batch: it stayed pending while its outputs were written, so a
+    # cancel() then succeeded and the caller, told its call was cancelled, had outputs written into its td.
+    from torchrl_batchserve import request as request_module
+
+    writing, release = threading.Event(), threading.Event()
+    write = request_module.write_outputs
+    same = torch.ones(8)
+    follower_td = TensorDict(observation=same.clone())
+
+    def held_write(td, keys, values):
+        if td is follower_td:
+            writing.set()
+            assert release.wait(10)
+        write(td, keys, values)
+
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    monkeypatch.setattr(request_module, "write_outputs", held_write)
+    with BatchedPolicyServer(gated, cache=EvaluationCache()) as server:
+        warm = server.submit(obs())
+        assert gated.entered.wait(10)
+        leader = server.submit(TensorDict(observation=same.clone()))
+        follower = server.submit(follower_td)  # joins the leader's row
+        assert server.statistics().cache_coalesced == 1
+        gated.gate.set()
+        assert writing.wait(10)
+        cancelled = follower.cancel()
+        release.set()
+        assert not cancelled and follower.result(10) is follower_td
+        warm.result(10)
+        torch.testing.assert_close(follower_td["logits"], leader.result(10)["logits"])
+
+
 def test_cancelled_asyncio_callers_are_dropped_while_queued_and_ignored_once_running():
     gated = GatedPolicy(make_mlp(), block_first=1)
     loop_errors: list = []

@@ -27,7 +27,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -298,18 +298,19 @@ class FutureRequest(Request):
 
     def _wake(self) -> None:
         future = self.future
+        # Running from here on (a batch claimed it, or now): a cancel() can no longer succeed while the outputs
+        # are written into the caller's td. One cancelled before (a coalesced request, a cache hit): nobody waits.
+        if not (future.running() or future.set_running_or_notify_cancel()):
+            return
+        if self.error is not None:
+            future.set_exception(self.error)
+            return
         try:
-            if self.error is not None:
-                future.set_exception(self.error)
-            else:
-                try:
-                    result = self._result()
-                except BaseException as err:  # a write into the caller's td failed
-                    future.set_exception(err)
-                else:
-                    future.set_result(result)
-        except InvalidStateError:
-            pass  # cancelled by its caller before it ran (a coalesced request): nobody waits
+            result = self._result()
+        except BaseException as err:  # a write into the caller's td failed
+            future.set_exception(err)
+        else:
+            future.set_result(result)
 
 
 class AsyncRequest(Request):
