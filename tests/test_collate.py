@@ -213,6 +213,10 @@ def test_pad_constructor_errors_name_the_argument():
         BatchedPolicyServer(
             policy, collate=PackCollate(["obs"], offsets_key=None, segment_ids_key=None, element_keys=["score"])
         )
+    # a packed batch has no rows to pad: static_batch_size was ignored, and the policy saw every shape
+    with pytest.raises(ValueError, match=r"static_batch_size=8 pads a batch's rows, and PackCollate"):
+        pack = PackCollate(["obs"], offsets_key=None, segment_ids_key=None)
+        BatchedPolicyServer(policy, collate=pack, max_batch_size=8, static_batch_size=8)
 
 
 # -- packing -------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from torchrl_batchserve.replica import Replica, served_copy
 from torchrl_batchserve.serve import Serving
 from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder
 from torchrl_batchserve.transport.local import LazyHub, LocalEndpoint
+from torchrl_batchserve.varlen import PackCollate
 from torchrl_batchserve.weights import ShadowWeights, non_persistent
 
 __all__ = ["BatchedPolicyServer"]
@@ -204,8 +205,9 @@ class BatchedPolicyServer(TensorDictModule):
             least ``max_batch_size``), for a policy that runs one shape only:
             a CUDA graph captured at that size, a module compiled without
             dynamic shapes. A smaller batch is padded by repeating its last
-            row, and the padded rows' outputs are dropped. Default: batches
-            run at their own size.
+            row, and the padded rows' outputs are dropped (a packed batch,
+            which has no rows, is refused). Default: batches run at their
+            own size.
         in_keys: the input keys of a plain ``nn.Module`` policy.
         out_keys: the output keys of a plain ``nn.Module`` policy.
 
@@ -298,6 +300,11 @@ class BatchedPolicyServer(TensorDictModule):
         unwritten = [k for k in getattr(collate, "cut_keys", ()) if k not in out_keys]
         if unwritten:  # never cut: callers would get padded outputs
             raise ValueError(f"collate {collate!r} cuts {unwritten}; the policy writes {out_keys}")
+        if static_batch_size is not None and isinstance(collate, PackCollate):  # it would be ignored
+            raise ValueError(
+                f"static_batch_size={static_batch_size} pads a batch's rows, and {collate!r} packs requests into a "
+                "batch without rows: use PadCollate (with buckets) for a policy that runs fixed shapes"
+            )
         specs = None if input_spec is None else layout_of(input_spec, keys, variable)
         check = getattr(collate, "check", None)
         layout = Layout(keys, variable, specs, check=check, cost_fn=cost_fn, max_cost=max_batch_cost)
