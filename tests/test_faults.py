@@ -184,6 +184,32 @@ def test_a_hanging_forward_fails_its_callers_past_forward_timeout_and_close_give
     gated.gate.set()
 
 
+def test_a_lone_blocking_caller_whose_forward_hangs_gets_the_timeout_too():
+    # A lone blocking caller runs its own batch, in its own thread: stuck in a forward that hung, it could never
+    # be told of forward_timeout. With forward_timeout set, the serve loop runs every batch.
+    gated = GatedPolicy(make_mlp(), block_first=3)
+    server = BatchedPolicyServer(gated, forward_timeout=0.2)
+    remote = server.remote_policy()
+    gated.gate.set()
+    outcome: dict = {}
+
+    def lone_caller() -> None:
+        remote(obs())  # the only caller of its batch, twice: a lone caller from now on
+        remote(obs())
+        gated.gate.clear()  # the next forward hangs
+        try:
+            remote(obs())
+        except ForwardTimeoutError as err:
+            outcome["error"] = err
+
+    caller = threading.Thread(target=lone_caller)
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive() and "error" in outcome
+    assert server.close(timeout=0.5) is False
+    gated.gate.set()
+
+
 def test_close_that_gives_up_fails_every_queued_request():
     gated = GatedPolicy(make_mlp(), block_first=1)
     server = BatchedPolicyServer(gated, max_batch_size=1, timeout=1e6)

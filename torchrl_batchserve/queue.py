@@ -28,7 +28,8 @@ one exception: a blocking caller that runs by itself (its request alone
 makes the batch, and it was the only caller of the last batch) is handed
 its own batch by :meth:`RequestQueue.put` (``may_serve``) and runs it in its
 thread, so a lone actor's request wakes no thread at all. With other
-callers around, the serve loop runs every batch. A serve loop is woken when
+callers around, or a ``forward_timeout`` (a caller stuck in a forward of
+its own could not be told it timed out), the serve loop runs every batch. A serve loop is woken when
 a rule may have become true (a request enters an empty queue, a batch fills,
 every caller waits), not per request.
 """
@@ -68,6 +69,7 @@ class RequestQueue:
         max_batch_cost: the most total ``Request.cost`` a batch may hold;
             ``None`` for no bound.
         runners: how many batches may run at once (one per replica).
+        inline: whether a lone blocking caller may run its own batch.
 
     Examples:
         >>> from torchrl_batchserve.queue import RequestQueue
@@ -88,6 +90,7 @@ class RequestQueue:
         max_queue_size: int | None = None,
         max_batch_cost: int | None = None,
         runners: int = 1,
+        inline: bool = True,
     ) -> None:
         self._max_batch_size = max_batch_size
         self._max_batch_cost = math.inf if max_batch_cost is None else max_batch_cost
@@ -102,6 +105,7 @@ class RequestQueue:
         self._closed = False
         self._free = set(range(runners))  # the replicas not running a batch now
         self._solo: Any = None  # the only caller of the last batch, if it had only one
+        self._inline = inline
         self._broken: BaseException | None = None
 
     @property
@@ -141,7 +145,7 @@ class RequestQueue:
             if not self._free:
                 return None  # done_serving() looks at the queue next
             fires = self._full() or not self._idle
-            if fires and may_serve and caller == self._solo and len(self._items) == 1:
+            if fires and may_serve and self._inline and caller == self._solo and len(self._items) == 1:
                 index = min(self._free)
                 self._free.discard(index)
                 return self._pop(), FireReason.FULL if self._full() else FireReason.ALL_WAITING, index

@@ -324,7 +324,10 @@ class BatchedPolicyServer(TensorDictModule):
         first = TensorDict.from_module(served[0])
         self._weights = ShadowWeights(first, devices[0], non_persistent(served[0]))
         self._replicas = [Replica(m, d, self._weights, i) for i, (m, d) in enumerate(zip(served, devices))]
-        self._queue = RequestQueue(max_batch_size, timeout, max_queue_size, max_batch_cost, runners=len(devices))
+        inline = forward_timeout is None  # a lone caller stuck in its own forward could not be told it timed out
+        self._queue = RequestQueue(
+            max_batch_size, timeout, max_queue_size, max_batch_cost, runners=len(devices), inline=inline
+        )
         self._stats = StatisticsRecorder(max_batch_size, timeout)
         self._serving = Serving(
             self._queue,
