@@ -29,9 +29,9 @@ makes the batch, and it was the only caller of the last batch) is handed
 its own batch by :meth:`RequestQueue.put` (``may_serve``) and runs it in its
 thread, so a lone actor's request wakes no thread at all. With other
 callers around, or a ``forward_timeout`` (a caller stuck in a forward of
-its own could not be told it timed out), the serve loop runs every batch. A serve loop is woken when
-a rule may have become true (a request enters an empty queue, a batch fills,
-every caller waits), not per request.
+its own could not be told it timed out), the serve loop runs every batch.
+A serve loop is woken when a rule may have become true (a request enters an
+empty queue, a batch fills, every caller waits), not per request.
 """
 
 from __future__ import annotations
