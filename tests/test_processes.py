@@ -589,6 +589,30 @@ def test_a_weight_sync_scheme_with_an_address_pushes_to_a_server_process_over_th
         BatchServeWeightSyncScheme(server=object(), module=trained)
 
 
+def test_the_legacy_weight_updater_pushes_over_a_weight_group_it_joins_at_its_first_push():
+    # Nothing connects a scheme given to the legacy adapter: its first push raised "connect() the scheme
+    # (the collector does)", and no collector would.
+    from torchrl_batchserve import BatchServeWeightSyncScheme, weight_updater
+
+    port, final = free_port(), 2
+    reached, stop, results = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    server = SPAWN.Process(target=pw.weight_server, args=(1, 2, port, final, reached, stop, results))
+    server.start()
+    scheme = BatchServeWeightSyncScheme(address="127.0.0.1", port=port, world_size=2, timeout=60)
+    updater = weight_updater(scheme)
+    try:
+        for version in range(1, final + 1):
+            updater(TensorDictModule(pw.make_net(version), in_keys=["observation"], out_keys=["logits"]))
+        assert reached.wait(60)  # the server served the last version pushed
+        stop.set()
+        _rank, seen, monotonic, mismatches, served, _ = report(results, [server], timeout=60)
+    finally:
+        stop.set()
+        scheme.shutdown()
+        server.join(30)
+    assert monotonic and mismatches == 0 and served > 0 and seen[-1] == final
+
+
 @pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector", "legacy weight_updater"])
 def test_collector_weight_updates_reach_the_server(kind):
     import copy

@@ -49,7 +49,7 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
     of a weight group whose servers called
     :meth:`BatchedPolicyServer.receive_weights` with the same ``address``,
     ``port`` and ``world_size`` (this side is rank 0; it joins the group when
-    the collector connects the scheme).
+    the collector connects the scheme, or else at its first send).
 
     Keyword Args:
         server: a server in this process.
@@ -161,9 +161,9 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         """The transport that ``send`` uses (the server's staging, or the weight group)."""
         if self._server is not None:
             return _ServerTransport(self._server.update_weights)
-        if self._broadcaster is None:
-            raise RuntimeError("connect() the scheme (the collector does) before sending weights")
-        return _ServerTransport(self._broadcaster.push)
+        if self._broadcaster is None:  # not connected by a collector (a direct send, the legacy adapter): now
+            self._setup_connection_and_weights_on_sender_impl()
+        return _ServerTransport(self._broadcaster.push)  # type: ignore[union-attr]
 
     # -- receiver side (collector workers: they run a RemotePolicy, no weights) -----
 
