@@ -557,16 +557,33 @@ def test_trainer_pushes_versions_to_two_server_processes_over_a_dedicated_group(
     assert not dist.is_initialized()
 
 
+def served_by_a_process(port: int, final: int, push) -> tuple:
+    """``push()`` as the trainer of a weight group on ``port`` whose one server (rank 1) is a spawned process.
+
+    The server's actors call it until one is served version ``final``; returns its report (rank, versions seen,
+    whether they never went backwards, mismatches with each version's reference, calls served, default group).
+    """
+    reached, stop, results = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    server = SPAWN.Process(target=pw.weight_server, args=(1, 2, port, final, reached, stop, results))
+    server.start()
+    try:
+        push()
+        assert reached.wait(60)  # the server served the last version pushed
+        stop.set()
+        return report(results, [server], timeout=60)
+    finally:
+        stop.set()
+        server.join(30)
+
+
 def test_a_weight_sync_scheme_with_an_address_pushes_to_a_server_process_over_the_group():
     from torchrl_batchserve import BatchServeWeightSyncScheme
 
     port, final = free_port(), 3
-    reached, stop, results = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
-    server = SPAWN.Process(target=pw.weight_server, args=(1, 2, port, final, reached, stop, results))
-    server.start()
     trained = TensorDictModule(pw.make_net(final), in_keys=["observation"], out_keys=["logits"])
     scheme = BatchServeWeightSyncScheme(address="127.0.0.1", port=port, world_size=2, timeout=60, module=trained)
-    try:
+
+    def push() -> None:
         scheme.init_on_sender(model_id="policy", context=None)  # what a collector does with its schemes
         scheme.connect()  # joins the group as rank 0: returns once the server joined
         assert "weight group 127.0.0.1" in repr(scheme)
@@ -574,13 +591,11 @@ def test_a_weight_sync_scheme_with_an_address_pushes_to_a_server_process_over_th
             trainer = TensorDictModule(pw.make_net(version), in_keys=["observation"], out_keys=["logits"])
             assert scheme.send(trainer) == version
         assert scheme.send() == final  # no weights given (update_policy_weights_()): module='s current ones
-        assert reached.wait(60)  # the server served the last version pushed
-        stop.set()
-        _rank, seen, monotonic, mismatches, served, _ = report(results, [server], timeout=60)
+
+    try:
+        _rank, seen, monotonic, mismatches, served, _ = served_by_a_process(port, final, push)
     finally:
-        stop.set()
         scheme.shutdown()
-        server.join(30)
     assert monotonic and mismatches == 0 and served > 0 and seen[-1] == final
     unaimed = BatchServeWeightSyncScheme(address="127.0.0.1", port=port, world_size=2)
     with pytest.warns(UserWarning, match="nothing was sent"):  # no weights, and no module to take them from
@@ -595,21 +610,17 @@ def test_the_legacy_weight_updater_pushes_over_a_weight_group_it_joins_at_its_fi
     from torchrl_batchserve import BatchServeWeightSyncScheme, weight_updater
 
     port, final = free_port(), 2
-    reached, stop, results = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
-    server = SPAWN.Process(target=pw.weight_server, args=(1, 2, port, final, reached, stop, results))
-    server.start()
     scheme = BatchServeWeightSyncScheme(address="127.0.0.1", port=port, world_size=2, timeout=60)
     updater = weight_updater(scheme)
-    try:
+
+    def push() -> None:
         for version in range(1, final + 1):
             updater(TensorDictModule(pw.make_net(version), in_keys=["observation"], out_keys=["logits"]))
-        assert reached.wait(60)  # the server served the last version pushed
-        stop.set()
-        _rank, seen, monotonic, mismatches, served, _ = report(results, [server], timeout=60)
+
+    try:
+        _rank, seen, monotonic, mismatches, served, _ = served_by_a_process(port, final, push)
     finally:
-        stop.set()
         scheme.shutdown()
-        server.join(30)
     assert monotonic and mismatches == 0 and served > 0 and seen[-1] == final
 
 
