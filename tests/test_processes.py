@@ -760,6 +760,27 @@ def test_a_weight_group_push_of_a_state_dict_may_leave_out_non_persistent_buffer
         torch.testing.assert_close(out["logits"], trained.net(torch.ones(8) + served.offset))
 
 
+def test_a_weight_group_push_carries_weights_of_dtypes_gloo_does_not_broadcast():
+    # float8 (a quantized policy's weights and scales) and uint16: gloo refuses them as they are.
+    class Quantized(nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.net = pw.make_net(seed)
+            self.register_buffer("scale", torch.full((3,), 0.5 + seed, dtype=torch.float8_e4m3fn))
+            self.register_buffer("offset", torch.full((3,), seed, dtype=torch.uint16))
+
+        def forward(self, observation):
+            return self.net(observation) * self.scale.float() + self.offset.float()
+
+    with BatchedPolicyServer(TensorDictModule(Quantized(0), in_keys=["observation"], out_keys=["logits"])) as server:
+        trainer, receiver = weight_group(server)
+        trained = Quantized(2)
+        assert trainer.push(trained) == 1
+        out = result_at(server, trainer, receiver, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], trained(torch.ones(8)))
+
+
 def test_a_dead_trainer_leaves_the_server_serving_its_last_version():
     port = free_port()
     pushed = SPAWN.Event()

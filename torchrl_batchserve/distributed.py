@@ -19,7 +19,8 @@ One push, all steps with finite timeouts:
    ``all_reduce`` a status: one mismatch fails the push on the trainer with
    :class:`~torchrl_batchserve.errors.WeightSyncError` (the reasons are left
    in the store), before any tensor moves, and every server keeps its weights;
-4. otherwise the trainer broadcasts one flat buffer per dtype; each server
+4. otherwise the trainer broadcasts one flat buffer per dtype, as bytes (gloo
+   refuses some dtypes, float8 among them); each server
    stages it as a shadow copy (``ShadowWeights.stage``) that its serve loop
    swaps in at the next batch boundary. Serving never waits for a transfer.
 
@@ -129,7 +130,7 @@ class WeightBroadcaster:
                             reasons.append(f"server rank {rank}: {self._store.get(key).decode()}")
                     raise WeightSyncError(f"version {version} rejected, no server changed: {'; '.join(reasons)}")
                 for buffer in _flat(weights).values():
-                    _wait(self._group.broadcast(buffer, 0))
+                    _wait(self._group.broadcast(buffer.view(torch.uint8), 0))
             except WeightSyncError:
                 raise
             except Exception as err:
@@ -223,7 +224,7 @@ class WeightReceiver:
                 n *= d
             buffers[dtype] = torch.empty(buffers[dtype].numel() + n if dtype in buffers else n, dtype=dtype)
         for buffer in buffers.values():
-            _wait(self._group.broadcast(buffer, 0))
+            _wait(self._group.broadcast(buffer.view(torch.uint8), 0))
         try:
             self._shadow.stage(self._unflatten(layout, buffers), version)
         except WeightSyncError as err:  # a push in this process staged a newer version during the transfer
