@@ -931,6 +931,31 @@ def test_a_request_answered_before_the_hub_offers_a_lane_still_earns_the_client_
         torch.testing.assert_close(out["logits"], net(fresh))
 
 
+def test_a_worker_sends_and_gets_tensors_of_dtypes_torch_cannot_unpickle():
+    # uint16 depth images, float8 scales: every request of such a worker failed, the first (pickled) one and
+    # so every later one too (the lane comes with a first request that arrives)
+    class Shift(nn.Module):
+        def forward(self, depth, scale):
+            return depth.to(torch.int32).add(1).to(torch.uint16), (scale.float() * 2).to(torch.float8_e4m3fn)
+
+    policy = TensorDictModule(Shift(), in_keys=["depth", "scale"], out_keys=["next_depth", "next_scale"])
+    with BatchedPolicyServer(policy) as server:
+        client = pickle.loads(pickle.dumps(server.remote_policy()))
+        outs = [
+            client(
+                TensorDict(
+                    depth=torch.full((4,), 60000 + i, dtype=torch.uint16),
+                    scale=torch.full((2,), 0.5, dtype=torch.float8_e4m3fn),
+                )
+            )
+            for i in range(2)
+        ]
+        assert server._endpoint.lazy_hub.hub.arrived == {"lane": 1, "socket": 1}  # pickled, then in a lane
+    for i, out in enumerate(outs):
+        assert out["next_depth"].dtype == torch.uint16 and out["next_depth"].tolist() == [60001 + i] * 4
+        assert out["next_scale"].dtype == torch.float8_e4m3fn and out["next_scale"].float().tolist() == [1.0, 1.0]
+
+
 def test_a_device_input_from_a_worker_with_lanes_travels_pickled_keeping_its_device():
     from torchrl_batchserve import BadRequestError
 

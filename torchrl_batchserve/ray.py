@@ -73,6 +73,7 @@ from torchrl_batchserve.errors import (
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics
+from torchrl_batchserve.transport.wire import dumps
 from torchrl_batchserve.weights import ShadowWeights, as_weights
 
 __all__ = ["RayServer", "push_weights", "serve_on_ray"]
@@ -488,7 +489,7 @@ class _ServerActor:
 def _send(conn: Connection, message: Any) -> None:
     # Plain pickle: Connection.send's pickler would pass tensors as shared-memory
     # descriptors, which only work on one host.
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(dumps(message))
 
 
 def _recv(conn: Connection) -> Any:
@@ -497,7 +498,7 @@ def _recv(conn: Connection) -> Any:
 
 def _outcome(error: BaseException | None, outputs: Any) -> bytes:
     """A batch's reply pickled on its own: one that a gateway cannot unpickle fails that batch, not the link."""
-    return pickle.dumps((None if error is None else portable(error), outputs), protocol=pickle.HIGHEST_PROTOCOL)
+    return dumps((None if error is None else portable(error), outputs))
 
 
 def _each(items: Any, fn: Callable[[Any], Any]) -> Any:

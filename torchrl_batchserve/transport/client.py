@@ -41,7 +41,7 @@ from torchrl_batchserve.request import write_outputs
 from torchrl_batchserve.serve import GATE
 from torchrl_batchserve.transport.hub import ADMITTED, HANDSHAKE_TIMEOUT, REFUSED_BROKEN
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Lane, Slot, on_host
-from torchrl_batchserve.transport.wire import Wire
+from torchrl_batchserve.transport.wire import Wire, dumps
 
 __all__ = ["ProcessClient"]
 
@@ -203,7 +203,7 @@ class ProcessClient:
                     lane.seq = seq
                     os.eventfd_write(self._bells[0], 1 << lane.index)  # type: ignore[index]
                 else:
-                    payload = pickle.dumps(td.select(*self.in_keys), protocol=pickle.HIGHEST_PROTOCOL)
+                    payload = dumps(td.select(*self.in_keys))
                     conn.send(("req", seq, None if mode is None else mode.value, payload))
             except OSError as err:
                 self._closed = True

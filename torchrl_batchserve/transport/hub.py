@@ -93,7 +93,7 @@ from torchrl_batchserve.errors import BadRequestError, PolicyError, portable
 from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.request import Request
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot, on_host, storable
-from torchrl_batchserve.transport.wire import Wire, frame
+from torchrl_batchserve.transport.wire import Wire, dumps, frame
 
 __all__ = ["HANDSHAKE_TIMEOUT", "ProcessHub", "ProcessRequest"]
 
@@ -212,7 +212,7 @@ def _done(seq: int, error: BaseException | None = None, values: Any = None, keys
     """
     outcome = None
     if error is not None or values is not None:
-        outcome = pickle.dumps((None if error is None else portable(error), values, keys), pickle.HIGHEST_PROTOCOL)
+        outcome = dumps((None if error is None else portable(error), values, keys))
     return ("done", seq, outcome, out)
 
 

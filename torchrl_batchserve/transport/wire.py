@@ -6,7 +6,8 @@ Descriptors (a slot's memory file, a client's eventfds) travel in the same
 are never read apart (the kernel ends a read at a message that carries
 descriptors).
 One read takes whatever frames have arrived; a partial frame is kept for the
-next read.
+next read. Every payload of the package's transports is pickled by
+:func:`dumps`, which carries tensors of every dtype.
 
 :meth:`Wire.recv` waits in ``poll`` for the socket to become readable
 before it reads: a thread asleep in a blocking ``recv`` on a Unix stream
@@ -17,6 +18,7 @@ sleep again; ``poll`` filters by event.
 from __future__ import annotations
 
 import array
+import io
 import os
 import pickle
 import select
@@ -26,7 +28,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Wire", "frame"]
+import torch
+
+__all__ = ["Wire", "dumps", "frame"]
 
 _HEADER = struct.Struct("!i")
 MAX_FDS = 3
@@ -34,9 +38,42 @@ _FDS = socket.CMSG_SPACE(MAX_FDS * array.array("i", [0]).itemsize)
 _CHUNK = 1 << 16
 
 
+# The dtypes whose tensors torch's pickling restores. A tensor of another (uint16, uint32, uint64,
+# float8, ...) pickles, but its unpickling fails, so it travels as a tensor of the same element size.
+_RESTORED = frozenset(
+    {
+        *(torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64),
+        *(torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128),
+        *(torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4),
+    }
+)
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.dtype not in _RESTORED and obj.layout == torch.strided:
+            carrier = _SAME_SIZE.get(obj.dtype.itemsize)
+            if carrier is not None:
+                return _viewed, (obj.detach().view(carrier), obj.dtype)
+        return NotImplemented
+
+
+def _viewed(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.view(dtype)
+
+
+def dumps(obj: Any) -> bytes:
+    """``pickle.dumps(obj)``, with tensors of the dtypes torch cannot unpickle carried as another
+    of the same element size (``pickle.loads`` restores them)."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
 def frame(message: Any) -> bytes:
     """``message`` pickled and framed, ready for :meth:`Wire.send_frame`."""
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = dumps(message)
     return _HEADER.pack(len(payload)) + payload
 
 
