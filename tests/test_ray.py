@@ -130,6 +130,31 @@ def slow_factory() -> TensorDictModule:
     return TensorDictModule(SlowLinear(), in_keys=["obs"], out_keys=["act"])
 
 
+class Quantized(torch.nn.Module):
+    """A linear layer with a float8 scale (a quantized policy's), its output also as uint16 codes."""
+
+    def __init__(self, scale: float = 0.5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 3)
+        self.register_buffer("scale", torch.full((3,), scale, dtype=torch.float8_e4m3fn))
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        act = self.linear(obs) * self.scale.float()
+        return act, (act.abs() * 1000).to(torch.int32).to(torch.uint16)
+
+
+def quantized_factory() -> TensorDictModule:
+    return TensorDictModule(Quantized(), in_keys=["obs"], out_keys=["act", "code"])
+
+
+@ray.remote(num_cpus=0)
+def served_on_a_node(remote, x: torch.Tensor) -> tuple[list, list, int]:
+    """One call of ``remote`` in a task; its outputs as lists."""
+    out = remote(TensorDict(obs=x))
+    return out["act"].tolist(), out["code"].tolist(), int(out["policy_version"])
+
+
 @ray.remote(num_cpus=0)
 class Actor:
     """An actor on a node of its own: calls the policy and reports what it got."""
@@ -382,6 +407,19 @@ def test_a_handle_its_copy_and_its_scheme_push_a_state_dict_that_leaves_out_a_no
         assert scheme.send(trained.state_dict()) == 3
         with pytest.raises(WeightSyncError, match="no trainer module in this process"):
             scheme.send()  # update_policy_weights_() with no weights: a bare TypeError before
+
+
+def test_float8_weights_reach_a_ray_server_and_uint16_outputs_come_back_through_a_gateway(cluster):
+    # torch's own pickling, which Ray's object store uses, cannot restore float8 or uint16 tensors
+    with served(quantized_factory, max_batch_size=8) as handle:
+        trained = Quantized(scale=2.0)
+        assert handle.update_weights(trained) == 1
+        x = observation(0, 1)
+        act, code, version = ray.get(served_on_a_node.options(resources=NODE_A).remote(handle.remote_policy(), x))
+    with torch.no_grad():
+        want_act, want_code = trained(x)
+    assert version == 1 and code == want_code.tolist()
+    torch.testing.assert_close(torch.tensor(act), want_act)
 
 
 def test_one_push_reaches_several_servers_as_one_version_or_none(cluster):

@@ -216,7 +216,7 @@ def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
     tensors = as_weights(weights)
     for server in servers:
         tensors = server._layout.fit(tensors)
-    stored = ray.put(tensors.detach().to("cpu"))
+    stored = ray.put(dumps(tensors.detach().to("cpu")))  # torch's own pickling cannot restore every dtype
     try:
         current = max(_ask(s.actor, "version") for s in servers)
         after = max([current, *(s._version for s in servers)])
@@ -463,9 +463,11 @@ class _ServerActor:
     def version(self) -> int:
         return self._server.policy_version
 
-    def update_weights(self, weights: TensorDictBase, after: int) -> int:
-        """Stage a push; its version follows both this server's and ``after`` (the pushers' last one)."""
-        version = self._server.update_weights(weights, version=max(self._server.policy_version, after) + 1)
+    def update_weights(self, weights: bytes, after: int) -> int:
+        """Stage a push (pickled by ``dumps``); its version follows both this server's and ``after`` (the
+        pushers' last one)."""
+        staged = pickle.loads(weights)
+        version = self._server.update_weights(staged, version=max(self._server.policy_version, after) + 1)
         self._waiting_for_weights = False
         return version
 
