@@ -135,7 +135,13 @@ class ProcessClient:
             except (OSError, EOFError) as err:
                 (sock if conn is None else conn).close()  # the wire closes descriptors it received, not taken
                 self._closed = True
-                raise ServerClosedError(f"the server at {self.address} is closed or gone ({err})") from err
+                where = (  # no such socket here: closed, or this copy travelled to another host
+                    "; a pickled RemotePolicy reaches a server on its own host only (actors on other hosts: "
+                    "torchrl_batchserve.ray.serve_on_ray)"
+                    if isinstance(err, FileNotFoundError)
+                    else ""
+                )
+                raise ServerClosedError(f"the server at {self.address} is closed or gone ({err}){where}") from err
             self._conn = conn
         return self._conn
 
