@@ -105,6 +105,28 @@ def test_a_result_left_on_cuda_keeps_its_memory_while_the_caller_reads_it_after_
     torch.testing.assert_close(read.cpu(), expected, atol=1e-5, rtol=1e-4)
 
 
+def test_a_lone_caller_on_a_stream_of_its_own_has_its_request_read_after_that_stream_made_it():
+    # A lone caller runs its own batch, stacking its request on its current stream: the replica's stream
+    # must wait for that stream, not only for the default one.
+    ran_in: list[int] = []
+    net = make_mlp()
+    net.register_forward_pre_hook(lambda module, args: ran_in.append(threading.get_ident()))  # kept by the copy
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, device="cuda", output_device="cuda") as server:
+        remote = server.remote_policy()
+        remote(TensorDict(observation=torch.randn(8, device="cuda")))  # now the lone caller: it runs its batches
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            busy = torch.randn(2048, 2048, device="cuda")
+            for _ in range(200):  # slow work on the caller's stream, ahead of its request
+                busy = torch.tanh(busy @ busy)
+            x = torch.full((8,), 0.5, device="cuda") + busy[0, :8] * 0
+            result = remote(TensorDict(observation=x))["logits"] * 1
+        stream.synchronize()
+    assert ran_in[-1] == threading.get_ident()  # the caller ran the batch itself
+    torch.testing.assert_close(result.cpu(), reference(make_mlp(), torch.full((8,), 0.5)), atol=1e-5, rtol=1e-4)
+
+
 def test_padded_batches_on_cuda():
     policy = TensorDictModule(lambda tokens, mask: tokens * 2, in_keys=["tokens", "mask"], out_keys=["out"])
     collate = PadCollate(["tokens"], trim_keys=["out"])

@@ -7,10 +7,11 @@ calls between two batches, so a batch is computed with exactly one version.
 
 On CUDA, a batch's host-to-device copies, its forward, the copy of its
 outputs to the output device and weight applies are all queued on the
-replica's own stream, ordered with events: the stream waits for the device's
-default stream (where actors made their tensors) and for the snapshot's
-event before it reads them (a CPU replica of such a server waits for that
-event on the host), and the serve loop waits for the stream alone
+replica's own stream, ordered with events: the stream waits for the stream
+the batch was stacked on (the current stream of the thread that runs the
+batch: the serve thread's default stream, or a lone caller's own stream) and
+for the snapshot's event before it reads them (a CPU replica of such a server
+waits for that event on the host), and the serve loop waits for the stream alone
 (never ``torch.cuda.synchronize()``, which would also wait for a trainer's
 kernels on the same GPU) before it hands results out. Results left on the
 device are marked as used on the callers' stream (``record_stream``): a
@@ -129,9 +130,9 @@ class Replica:
         ``static_rows``: each forward is padded to that many rows, and its
         output cut back to the batch's.
         """
+        if self._stream is not None:  # the batch was made on this thread's stream: a lone caller's may be its own
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with self.on_stream():
-            if self._stream is not None:
-                self._stream.wait_stream(torch.cuda.default_stream(self._stream.device))
             batch = _on(batch, self.device)
             if not batch.batch_dims:  # packed: no rows to slice or pad
                 output = self.module(batch)
