@@ -781,6 +781,23 @@ def test_a_weight_group_push_carries_weights_of_dtypes_gloo_does_not_broadcast()
         torch.testing.assert_close(out["logits"], trained(torch.ones(8)))
 
 
+def test_a_push_whose_weights_cannot_be_read_fails_before_the_servers_hear_of_it_and_the_next_push_lands():
+    # Weights on the meta device (a deferred-init trainer) hold no values: the servers must not be left
+    # waiting mid-push for buffers that never come (their receiver would stop for good at the timeout).
+    policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        trainer, receiver = weight_group(server)
+        with pytest.raises(WeightSyncError, match="version 1"):
+            trainer.push(pw.make_net(3).to("meta"))
+        assert trainer.version == 0
+        t = time.monotonic()
+        assert trainer.push(pw.make_net(4)) == 1
+        assert time.monotonic() - t < 5  # not after the servers' timeout
+        out = result_at(server, trainer, receiver, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], pw.make_net(4)(torch.ones(8)))
+
+
 def test_a_dead_trainer_leaves_the_server_serving_its_last_version():
     port = free_port()
     pushed = SPAWN.Event()

@@ -12,15 +12,17 @@ trainer is 0, servers 1..N).
 
 One push, all steps with finite timeouts:
 
-1. the trainer bumps ``push/count`` in the store (receivers wait on it, so an
-   idle trainer never trips a collective timeout);
+1. the trainer reads its weights out into the buffers step 4 sends (a push
+   that fails here fails before any server hears of it), then bumps
+   ``push/count`` in the store (receivers wait on it, so an idle trainer
+   never trips a collective timeout);
 2. it broadcasts a header and the metadata (version, names, shapes, dtypes);
 3. every server checks the metadata against its served policy and all ranks
    ``all_reduce`` a status: one mismatch fails the push on the trainer with
    :class:`~torchrl_batchserve.errors.WeightSyncError` (the reasons are left
    in the store), before any tensor moves, and every server keeps its weights;
-4. otherwise the trainer broadcasts one flat buffer per dtype, as bytes (gloo
-   refuses some dtypes, float8 among them); each server
+4. otherwise the trainer broadcasts its flat buffers, one per dtype, as bytes
+   (gloo refuses some dtypes, float8 among them); each server
    stages it as a shadow copy (``ShadowWeights.stage``) that its serve loop
    swaps in at the next batch boundary. Serving never waits for a transfer.
 
@@ -116,6 +118,9 @@ class WeightBroadcaster:
             version = self.version + 1 if version is None else version
             meta = pickle.dumps({"version": version, "layout": _layout(weights)})
             try:
+                # Read out before the servers hear of the push: one left waiting mid-push for buffers that
+                # never come would take the next push's messages for them, a mismatch that aborts gloo.
+                buffers = list(_flat(weights).values())
                 self._announce()
                 header = torch.tensor([_PUSH, len(meta)], dtype=torch.long)
                 _wait(self._group.broadcast(header, 0))
@@ -129,7 +134,7 @@ class WeightBroadcaster:
                         if self._store.check([key]):
                             reasons.append(f"server rank {rank}: {self._store.get(key).decode()}")
                     raise WeightSyncError(f"version {version} rejected, no server changed: {'; '.join(reasons)}")
-                for buffer in _flat(weights).values():
+                for buffer in buffers:
                     _wait(self._group.broadcast(buffer.view(torch.uint8), 0))
             except WeightSyncError:
                 raise
