@@ -726,6 +726,25 @@ def test_a_push_that_loses_to_a_local_update_is_dropped_and_the_receiver_takes_t
         torch.testing.assert_close(out["logits"], pw.make_net(11)(torch.ones(8)))
 
 
+def test_a_push_the_server_fails_to_stage_is_dropped_and_the_receiver_takes_the_next():
+    # e.g. out of device memory for the copy: that version is lost, the receiver is not
+    policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        trainer, receiver = weight_group(server)
+        stage = server._weights.stage
+
+        def out_of_memory(weights, version=None):
+            server._weights.stage = stage
+            raise RuntimeError("CUDA out of memory")
+
+        server._weights.stage = out_of_memory
+        trainer.push(TensorDictModule(pw.make_net(1), in_keys=["observation"], out_keys=["logits"]))
+        assert trainer.push(TensorDictModule(pw.make_net(2), in_keys=["observation"], out_keys=["logits"])) == 2
+        out = result_at(server, trainer, receiver, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], pw.make_net(2)(torch.ones(8)))
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps(compiled):
     net = torch.compile(pw.make_net(0), backend="eager") if compiled else pw.make_net(0)  # served under "_orig_mod"

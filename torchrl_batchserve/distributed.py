@@ -29,7 +29,9 @@ One push, all steps with finite timeouts:
 A trainer that dies mid-transfer breaks the collective: the receiver logs it,
 drops the partial copy, stops receiving and the server keeps serving the last
 complete version. A server that dies fails the trainer's push with a
-``WeightSyncError`` after the timeout.
+``WeightSyncError`` after the timeout. A push a server fails to stage (out of
+memory for the copy) is dropped there with a warning; the group stays in step
+and the next push is received.
 """
 
 from __future__ import annotations
@@ -232,9 +234,9 @@ class WeightReceiver:
             _wait(self._group.broadcast(buffer.view(torch.uint8), 0))
         try:
             self._shadow.stage(self._unflatten(layout, buffers), version)
-        except WeightSyncError as err:  # a push in this process staged a newer version during the transfer
-            _log.warning("weight receiver (rank %d) dropped version %d: %s", self.rank, version, err)
-        return True  # receive the next push either way
+        except Exception as err:  # a push in this process staged a newer version meanwhile; out of memory
+            _log.warning("weight receiver (rank %d) dropped version %d: %r", self.rank, version, err)
+        return True  # receive the next push either way: the group is in step
 
     def _served_names(self, layout: list) -> list:
         """The pushed layout named as served (:meth:`ShadowWeights.renaming`)."""
