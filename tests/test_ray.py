@@ -578,6 +578,40 @@ def test_a_gateway_link_fails_only_the_batch_whose_reply_it_cannot_read():
         listener.close()
 
 
+def test_a_server_actor_fails_only_the_gateway_batch_it_cannot_read():
+    # An input of a class the server's process cannot import ended the link: every batch in flight on that
+    # node failed with it.
+    import pickle
+    import threading
+    from multiprocessing.connection import Client, Listener
+
+    from torchrl_batchserve import BadRequestError, BatchedPolicyServer
+    from torchrl_batchserve.ray import _recv, _send, _ServerActor
+    from torchrl_batchserve.transport.wire import dumps
+
+    listener = Listener(("127.0.0.1", 0), authkey=b"k" * 16)
+    actor = object.__new__(_ServerActor)  # the link's end alone, without Ray
+    with BatchedPolicyServer(factory(), max_batch_size=8) as server:
+        actor._server, actor._returned = server, ["act", "policy_version"]
+        thread = threading.Thread(target=lambda: actor._serve_link(listener.accept()))
+        thread.start()
+        with Client(listener.address, authkey=b"k" * 16) as gateway:
+            x = torch.stack([observation(0, i) for i in range(2)])
+            _send(gateway, (1, b"not a pickle of this process's", None))
+            _send(gateway, (2, dumps(TensorDict(obs=x, batch_size=[2])), None))
+            replies = dict(_recv(gateway) for _ in range(2))
+            _send(gateway, (3, dumps(TensorDict(obs=x, batch_size=[2])), None))  # the link still serves
+            replies.update([_recv(gateway)])
+        thread.join(30)
+    listener.close()
+    error, outputs = pickle.loads(replies[1])
+    assert isinstance(error, BadRequestError) and "cannot be read in the server's process" in str(error)
+    for seq in (2, 3):
+        error, outputs = pickle.loads(replies[seq])
+        assert error is None and outputs["policy_version"].tolist() == [0, 0]
+        torch.testing.assert_close(outputs["act"], reference(None, x))
+
+
 class Unpicklable(torch.nn.Module):
     """``factory``'s linear layer, and per row an object that does not pickle when its first input is negative."""
 

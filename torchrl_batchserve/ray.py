@@ -63,6 +63,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.nn.probabilistic import InteractionType, interaction_type
 
 from torchrl_batchserve.errors import (
+    BadRequestError,
     BatchServeError,
     PolicyError,
     ServerBrokenError,
@@ -443,7 +444,7 @@ class _ServerActor:
 
         while True:
             try:
-                seq, batch, interaction = _recv(conn)
+                seq, payload, interaction = _recv(conn)
             except (EOFError, OSError):
                 return  # the gateway (or its node) is gone: its replies have nobody to go to
             except Exception:  # a message that cannot be read: end the link, so the gateway fails what is in flight
@@ -451,6 +452,11 @@ class _ServerActor:
                 conn.close()
                 return
             try:
+                try:
+                    batch = pickle.loads(payload)  # pickled on its own: one that cannot be read fails alone
+                except Exception as err:  # an input of a class this process cannot import
+                    unread = f"the gateway's batch cannot be read in the server's process: {err!r}"
+                    raise BadRequestError(unread) from None
                 mode = None if interaction is None else InteractionType(interaction)
                 submit = functools.partial(self._server.submit, caller=caller, interaction=mode)
                 future = _all(_each(batch, submit))
@@ -621,7 +627,7 @@ class _Link:
             self._seq += 1
             self._waiting[self._seq] = future
             try:
-                _send(self._conn, (self._seq, batch, interaction))
+                _send(self._conn, (self._seq, dumps(batch), interaction))
             except OSError as err:
                 self._waiting.pop(self._seq)
                 raise ServerBrokenError(f"the connection to the server actor broke: {err}") from err
