@@ -440,22 +440,27 @@ def test_collectors_store_the_policys_actions(kind):
 
 
 @pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector"])
-def test_a_recurrent_policy_carries_each_envs_own_state(kind):
+@pytest.mark.parametrize("registered", ["by hand", "by the collector"])
+def test_a_recurrent_policy_carries_each_envs_own_state(kind, registered):
     # An LSTM policy reads its state from the request and writes the next one
     # under ("next", ...): every row of a batch must get its own env's state.
+    # The env's transforms (InitTracker, the state's primer) are added by hand, or by the collector from
+    # the RemotePolicy's make_tensordict_primer(), as for the served policy itself.
     from process_workers import recurrent_pendulum, recurrent_policy
     from torchrl.collectors import Collector, MultiSyncCollector
+    from torchrl.envs import PendulumEnv
 
     policy = recurrent_policy()
     state = ["recurrent_state_h", "recurrent_state_c"]
     assert set(policy.in_keys) == {"th", "thdot", *state, "is_init"}
-    kw = {"auto_register_policy_transforms": False}
+    make_env = recurrent_pendulum if registered == "by hand" else PendulumEnv
+    kw = {"auto_register_policy_transforms": registered != "by hand"}
     with BatchedPolicyServer(policy, max_batch_size=8, timeout=0.005) as server:
         remote = server.remote_policy()
         if kind == "Collector":
-            collector = Collector(recurrent_pendulum, remote, frames_per_batch=20, total_frames=40, **kw)
+            collector = Collector(make_env, remote, frames_per_batch=20, total_frames=40, **kw)
         else:
-            envs = [recurrent_pendulum] * 3
+            envs = [make_env] * 3
             collector = MultiSyncCollector(envs, remote, frames_per_batch=60, total_frames=120, **kw)
         collector.set_seed(0)  # each env its own seed: rows handed to the wrong env would differ
         batches = []

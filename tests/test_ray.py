@@ -422,6 +422,24 @@ def test_float8_weights_reach_a_ray_server_and_uint16_outputs_come_back_through_
     torch.testing.assert_close(torch.tensor(act), want_act)
 
 
+def recurrent_factory() -> TensorDictModule:
+    from tensordict.nn import TensorDictSequential
+    from torchrl.modules import LSTMModule
+
+    torch.manual_seed(0)
+    lstm = LSTMModule(input_size=4, hidden_size=8, in_key="obs", out_key="embed")
+    return TensorDictSequential(lstm, TensorDictModule(torch.nn.Linear(8, 3), in_keys=["embed"], out_keys=["act"]))
+
+
+def test_a_ray_served_recurrent_policy_gives_collectors_the_primer_of_its_state(cluster):
+    # what a collector with auto_register_policy_transforms=True adds to its env
+    with served(recurrent_factory) as handle:
+        for copy in (handle, cloudpickle.loads(cloudpickle.dumps(handle))):
+            primer = copy.remote_policy().make_tensordict_primer()
+            assert set(primer.primers.keys()) == {"recurrent_state_h", "recurrent_state_c"}
+            assert primer.primers["recurrent_state_h"].shape == (1, 8)
+
+
 def test_one_push_reaches_several_servers_as_one_version_or_none(cluster):
     servers = [serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=8) for _ in range(2)]
     try:

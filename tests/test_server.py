@@ -257,6 +257,22 @@ def test_remote_policy_is_a_module_without_parameters(policy):
 # -- the batching rule through the server ------------------------------------------------
 
 
+def test_a_remote_policy_of_a_policy_without_state_gives_no_primer_that_breaks_a_search_for_primers(policy):
+    # TorchRL's get_primers_from_module composes every submodule's make_tensordict_primer()
+    from tensordict.nn import TensorDictSequential
+    from torchrl.modules import LSTMModule
+    from torchrl.modules.utils import get_primers_from_module
+
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        assert len(remote.make_tensordict_primer()) == 0  # an empty Compose
+        lstm = LSTMModule(input_size=3, hidden_size=4, in_key="logits", out_key="embed")
+        found = get_primers_from_module(TensorDictSequential(remote, lstm))
+    assert [sorted(t.primers.keys()) for t in found if hasattr(t, "primers")] == [
+        ["recurrent_state_c", "recurrent_state_h"]
+    ]
+
+
 def test_full_batch_and_cancelled_future_dropped():
     gated = GatedPolicy(make_mlp())
     with BatchedPolicyServer(gated, max_batch_size=4, timeout=1e6) as server:

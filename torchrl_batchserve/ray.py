@@ -143,22 +143,31 @@ class RayServer:
     """
 
     def __init__(
-        self, actor: Any, *, in_keys: list, out_keys: list, layout: TensorDictBase, optional: Any = ()
+        self,
+        actor: Any,
+        *,
+        in_keys: list,
+        out_keys: list,
+        layout: TensorDictBase,
+        optional: Any = (),
+        primer: Any = None,
     ) -> None:
         self.actor = actor
         self.in_keys = list(in_keys)
         self.out_keys = list(out_keys)
+        self._primer = primer  # the served policy's TensorDictPrimer transforms, for make_tensordict_primer()
         # the served names, shapes, dtypes (meta tensors) and what a push may leave out: pushes are checked here
         self._layout = ShadowWeights(layout, optional=optional)
         self._version = 0  # the newest version this handle pushed or saw
 
     def __reduce__(self) -> tuple:
         layout = self._layout
-        return _handle, (self.actor, self.in_keys, self.out_keys, layout.served, layout.optional, self._version)
+        state = (self.in_keys, self.out_keys, layout.served, layout.optional, self._primer, self._version)
+        return _handle, (self.actor, *state)
 
     def remote_policy(self) -> RemotePolicy:
         """A :class:`~torchrl_batchserve.RemotePolicy` that works in any Ray task, actor or driver."""
-        return RemotePolicy(RayEndpoint(self.actor), self.in_keys, self.out_keys)
+        return RemotePolicy(RayEndpoint(self.actor), self.in_keys, self.out_keys, self._primer)
 
     def update_weights(self, weights: Any = None) -> int:
         """Push ``weights`` (a module, a TensorDict or a state_dict); return the version they serve as.
@@ -234,9 +243,9 @@ def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
 
 
 def _handle(
-    actor: Any, in_keys: list, out_keys: list, layout: TensorDictBase, optional: Any, version: int
+    actor: Any, in_keys: list, out_keys: list, layout: TensorDictBase, optional: Any, primer: Any, version: int
 ) -> RayServer:
-    handle = RayServer(actor, in_keys=in_keys, out_keys=out_keys, layout=layout, optional=optional)
+    handle = RayServer(actor, in_keys=in_keys, out_keys=out_keys, layout=layout, optional=optional, primer=primer)
     handle._version = version
     return handle
 
@@ -380,6 +389,7 @@ class _ServerActor:
             "out_keys": self._server.out_keys,
             "layout": layout,
             "optional": optional,
+            "primer": self._server._primer,
         }
 
     def connect(self, node: str) -> RemotePolicy:

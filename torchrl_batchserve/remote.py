@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase, dispatch
 
-__all__ = ["RemotePolicy"]
+__all__ = ["RemotePolicy", "primers_of"]
 
 
 class RemotePolicy(TensorDictModuleBase):
@@ -33,6 +34,11 @@ class RemotePolicy(TensorDictModuleBase):
     pickling does the same; a ``copy.deepcopy`` in the server's process is
     served in-process, as the original is.
 
+    Like the served policy's recurrent modules (``LSTMModule``,
+    ``GRUModule``), it has :meth:`make_tensordict_primer`, so TorchRL
+    finds the env transforms the served policy needs (a collector's
+    ``auto_register_policy_transforms=True``, ``get_primers_from_module``).
+
     Examples:
         >>> import asyncio, torch
         >>> from tensordict import TensorDict
@@ -49,11 +55,12 @@ class RemotePolicy(TensorDictModuleBase):
         (torch.Size([2]), torch.Size([4, 2]), 0)
     """
 
-    def __init__(self, endpoint: Any, in_keys: Sequence[Any], out_keys: Sequence[Any]) -> None:
+    def __init__(self, endpoint: Any, in_keys: Sequence[Any], out_keys: Sequence[Any], primer: Any = None) -> None:
         super().__init__()
         self.in_keys = list(in_keys)
         self.out_keys = list(out_keys)
         self._endpoint = endpoint
+        self._primer = primer
 
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -71,9 +78,25 @@ class RemotePolicy(TensorDictModuleBase):
         """``await remote.acall(td)``: the asyncio form of ``remote(td)``."""
         return await self._endpoint.acall(tensordict)
 
+    def make_tensordict_primer(self) -> Any:
+        """The served policy's ``TensorDictPrimer`` transforms (its recurrent state), new at each call.
+
+        An empty ``Compose`` when the served policy keeps no state.
+        """
+        from torchrl.envs.transforms import Compose
+
+        return Compose() if self._primer is None else copy.deepcopy(self._primer)
+
     def __reduce__(self) -> tuple:
         # The endpoint pickles as what reaches the server from elsewhere (a process client, a Ray client).
-        return RemotePolicy, (self._endpoint, self.in_keys, self.out_keys)
+        return RemotePolicy, (self._endpoint, self.in_keys, self.out_keys, self._primer)
+
+
+def primers_of(policy: Any) -> Any:
+    """``policy``'s ``TensorDictPrimer`` transforms (``get_primers_from_module``), or ``None``."""
+    from torchrl.modules.utils import get_primers_from_module
+
+    return get_primers_from_module(policy, warn=False, strict=False)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(in_keys={self.in_keys}, out_keys={self.out_keys})"

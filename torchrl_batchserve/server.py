@@ -37,7 +37,7 @@ from torchrl_batchserve.errors import ServerClosedError
 from torchrl_batchserve.intake import CURRENT, Intake
 from torchrl_batchserve.layout import Layout, layout_of
 from torchrl_batchserve.queue import RequestQueue
-from torchrl_batchserve.remote import RemotePolicy
+from torchrl_batchserve.remote import RemotePolicy, primers_of
 from torchrl_batchserve.replica import Replica, served_copy
 from torchrl_batchserve.serve import Serving
 from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder
@@ -321,6 +321,7 @@ class BatchedPolicyServer(TensorDictModule):
         self.policy_version_key = policy_version_key
         self.cache = cache
         self.collate = collate
+        self._primer = primers_of(policy)  # a RemotePolicy's make_tensordict_primer()
         first = TensorDict.from_module(served[0])
         self._weights = ShadowWeights(first, devices[0], non_persistent(served[0]))
         self._replicas = [Replica(m, d, self._weights, i) for i, (m, d) in enumerate(zip(served, devices))]
@@ -441,7 +442,7 @@ class BatchedPolicyServer(TensorDictModule):
 
     def remote_policy(self) -> RemotePolicy:
         """A :class:`~torchrl_batchserve.RemotePolicy` served by this server."""
-        return RemotePolicy(self._endpoint, self.in_keys, self.out_keys)
+        return RemotePolicy(self._endpoint, self.in_keys, self.out_keys, self._primer)
 
     def submit(
         self, tensordict: TensorDictBase, *, caller: Any = None, interaction: Any = CURRENT
