@@ -73,7 +73,7 @@ def test_a_frame_that_does_not_unpickle_raises_and_the_frames_after_it_still_arr
     assert right.recv() == ("later",)
 
 
-def test_tensors_of_every_dtype_travel_even_those_whose_pickling_torch_cannot_undo():
+def test_tensors_of_every_dtype_and_layout_travel_even_those_whose_pickling_torch_cannot_undo():
     # uint16 (depth images), uint32, uint64, float8 (quantized policies): pickle.loads(pickle.dumps(t)) fails for them.
     dtypes = [getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)]
     values = {}
@@ -84,10 +84,24 @@ def test_tensors_of_every_dtype_travel_even_those_whose_pickling_torch_cannot_un
             continue  # a dtype with no size in bytes (sub-byte, sparse-only)
     assert {"torch.uint16", "torch.uint32", "torch.uint64", "torch.float8_e4m3fn"} <= set(values)
     sent = TensorDict(values, batch_size=[6])
-    alone = {"float8": values["torch.float8_e5m2"], "strided": values["torch.uint16"][::2]}
+    grad = torch.ones(2, requires_grad=True)
+    alone = {
+        "float8": values["torch.float8_e5m2"],
+        "strided": values["torch.uint16"][::2],
+        "expanded": torch.arange(3.0).expand(4, 3),
+        "conjugated": torch.tensor([1 + 2j]).conj(),
+        "scalar": torch.tensor(7),
+        "empty": torch.zeros(0, 3),
+        "grad": grad,
+    }
     got = pickle.loads(dumps(("req", sent, alone)))
     assert got[0] == "req"
     for key, value in [*sent.items(), *alone.items()]:
         received = (got[1] if key in sent.keys() else got[2])[key]
         assert received.dtype == value.dtype and received.shape == value.shape, key
-        assert torch.equal(received.contiguous().view(torch.uint8), value.contiguous().view(torch.uint8)), key
+        flat = [t.resolve_conj().contiguous().reshape(-1).view(torch.uint8) for t in (received, value)]
+        assert torch.equal(*flat), key
+    assert got[2]["grad"].requires_grad  # pickled as torch pickles it
+    received = got[2]["expanded"]
+    received.add_(1)  # its own memory, writable
+    assert torch.equal(alone["expanded"][0], torch.arange(3.0))

@@ -505,8 +505,8 @@ class _ServerActor:
 
 
 def _send(conn: Connection, message: Any) -> None:
-    # Plain pickle: Connection.send's pickler would pass tensors as shared-memory
-    # descriptors, which only work on one host.
+    # wire.dumps: tensors as their bytes (Connection.send's pickler would pass them as
+    # shared-memory descriptors, which only work on one host).
     conn.send_bytes(dumps(message))
 
 

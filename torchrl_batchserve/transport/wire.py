@@ -7,7 +7,8 @@ are never read apart (the kernel ends a read at a message that carries
 descriptors).
 One read takes whatever frames have arrived; a partial frame is kept for the
 next read. Every payload of the package's transports is pickled by
-:func:`dumps`, which carries tensors of every dtype.
+:func:`dumps`, which carries CPU tensors as raw bytes: faster than torch's
+own pickling, and for every dtype.
 
 :meth:`Wire.recv` waits in ``poll`` for the socket to become readable
 before it reads: a thread asleep in a blocking ``recv`` on a Unix stream
@@ -38,34 +39,37 @@ _FDS = socket.CMSG_SPACE(MAX_FDS * array.array("i", [0]).itemsize)
 _CHUNK = 1 << 16
 
 
-# The dtypes whose tensors torch's pickling restores. A tensor of another (uint16, uint32, uint64,
-# float8, ...) pickles, but its unpickling fails, so it travels as a tensor of the same element size.
-_RESTORED = frozenset(
-    {
-        *(torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64),
-        *(torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128),
-        *(torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4),
-    }
-)
-_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 class _Pickler(pickle.Pickler):
+    """Carries a plain CPU tensor as its raw bytes, its dtype and its shape.
+
+    torch's own tensor pickling writes and reads each storage through
+    ``torch.save`` (about 45 and 60 us for a small tensor, 6 ms to read 5 MB
+    of pixels), and cannot restore some dtypes at all (``uint16``, ``uint32``,
+    ``uint64``, ``float8``). Any other tensor (on a device, requiring grad, a
+    subclass, sparse, quantized, nested) pickles as torch pickles it.
+    """
+
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.dtype not in _RESTORED and obj.layout == torch.strided:
-            carrier = _SAME_SIZE.get(obj.dtype.itemsize)
-            if carrier is not None:
-                return _viewed, (obj.detach().view(carrier), obj.dtype)
+        if (
+            type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and not (obj.requires_grad or obj.is_quantized or obj.is_nested)
+        ):
+            flat = obj.resolve_conj().resolve_neg().contiguous().view(-1)
+            data = pickle.PickleBuffer(flat.view(torch.uint8).numpy().data) if flat.numel() else b""
+            return _from_bytes, (data, obj.dtype, tuple(obj.shape))
         return NotImplemented
 
 
-def _viewed(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.view(dtype)
+def _from_bytes(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not len(data):
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)  # the unpickled bytearray's memory
 
 
 def dumps(obj: Any) -> bytes:
-    """``pickle.dumps(obj)``, with tensors of the dtypes torch cannot unpickle carried as another
-    of the same element size (``pickle.loads`` restores them)."""
+    """``pickle.dumps(obj)``, with plain CPU tensors carried as raw bytes (``pickle.loads`` restores them)."""
     buffer = io.BytesIO()
     _Pickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
     return buffer.getvalue()

@@ -1,0 +1,62 @@
+"""The pickled paths' cost: ``transport.wire.dumps`` against torch's own tensor pickling, in one run.
+
+What travels pickled: a worker's first request and any that fits no lane,
+replies that do not go back in a lane, and every gateway batch of a Ray-served
+server, both ways. For each payload of ``benchmarks/run.py`` (one row, and a
+gateway batch of ``--rows`` rows), it times encoding and decoding with
+``wire.dumps`` / ``pickle.loads`` (CPU tensors as raw bytes) and with
+``pickle.dumps`` / ``pickle.loads`` (``torch.save`` per storage), taking turns;
+medians of ``--repeats``.
+
+    python benchmarks/pickling.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from run import make_payload
+
+from torchrl_batchserve.transport.wire import dumps
+
+
+def per_call_us(fn: Callable[[], object], seconds: float = 0.2) -> float:
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=64, help="rows of a gateway batch")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print("| payload | encode us: wire.dumps / pickle.dumps | decode us: wire / torch |")
+    print("|---|---:|---:|")
+    for name in ("vector", "pixels"):
+        _, make = make_payload(name)
+        g = torch.Generator().manual_seed(0)
+        row = make(g)
+        for label, td in ((f"{name}, one row", row), (f"{name}, {args.rows} rows", torch.stack([make(g)] * args.rows))):
+            ours, theirs = dumps(td), pickle.dumps(td, pickle.HIGHEST_PROTOCOL)
+            times: dict[str, list[float]] = {k: [] for k in ("enc ours", "enc torch", "dec ours", "dec torch")}
+            for _ in range(args.repeats):
+                times["enc ours"].append(per_call_us(lambda: dumps(td)))  # noqa: B023
+                times["enc torch"].append(per_call_us(lambda: pickle.dumps(td, pickle.HIGHEST_PROTOCOL)))  # noqa: B023
+                times["dec ours"].append(per_call_us(lambda: pickle.loads(ours)))  # noqa: B023
+                times["dec torch"].append(per_call_us(lambda: pickle.loads(theirs)))  # noqa: B023
+            m = {k: statistics.median(v) for k, v in times.items()}
+            print(
+                f"| {label} | {m['enc ours']:.0f} / {m['enc torch']:.0f} | {m['dec ours']:.0f} / {m['dec torch']:.0f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
