@@ -247,6 +247,7 @@ def test_remote_policy_is_a_module_without_parameters(policy):
         remote = server.remote_policy()
         assert isinstance(remote, TensorDictModuleBase) and isinstance(remote, RemotePolicy)
         assert remote.in_keys == ["observation"] and remote.out_keys == ["logits"]
+        assert repr(remote) == "RemotePolicy(in_keys=['observation'], out_keys=['logits'])"
         assert list(remote.parameters()) == []
         logits = remote(observation=torch.randn(8))  # keyword call: returns the out_keys' tensors
         assert isinstance(logits, torch.Tensor) and logits.shape == (3,)

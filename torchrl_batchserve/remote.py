@@ -91,12 +91,12 @@ class RemotePolicy(TensorDictModuleBase):
         # The endpoint pickles as what reaches the server from elsewhere (a process client, a Ray client).
         return RemotePolicy, (self._endpoint, self.in_keys, self.out_keys, self._primer)
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(in_keys={self.in_keys}, out_keys={self.out_keys})"
+
 
 def primers_of(policy: Any) -> Any:
     """``policy``'s ``TensorDictPrimer`` transforms (``get_primers_from_module``), or ``None``."""
     from torchrl.modules.utils import get_primers_from_module
 
     return get_primers_from_module(policy, warn=False, strict=False)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(in_keys={self.in_keys}, out_keys={self.out_keys})"
