@@ -130,6 +130,22 @@ def test_one_name_one_server_and_other_settings_under_it_are_refused(recipe_dir)
     assert gone() is None  # the name does not keep a closed server (and its replicas' memory) alive
 
 
+def test_a_server_node_serves_a_plain_module_given_its_keys():
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+
+    from torchrl_batchserve.config import ServerConfig
+
+    linear = {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 3}
+    node = {"name": "plain", "policy": linear, "in_keys": ["obs"], "out_keys": ["act"]}
+    server = instantiate(OmegaConf.merge(OmegaConf.structured(ServerConfig), node))
+    try:
+        assert server.remote_policy()(TensorDict(obs=torch.ones(2)))["act"].shape == (3,)
+    finally:
+        server.close()
+
+
 def test_an_input_spec_in_yaml_fixes_the_layout_by_key_and_names_the_entry_it_cannot_read():
     from tensordict import TensorDict
 

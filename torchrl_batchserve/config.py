@@ -109,6 +109,8 @@ class ServerConfig(ConfigBase):
     input_spec: Any = None
     forward_timeout: float | None = None
     static_batch_size: int | None = None
+    in_keys: list[str] | None = None  # a plain nn.Module policy's (a TensorDictModule has its own)
+    out_keys: list[str] | None = None
 
     def __post_init__(self) -> None:
         """Nothing to derive: every field is a keyword of the server."""
