@@ -615,10 +615,10 @@ def test_a_server_actor_fails_only_the_gateway_batch_it_cannot_read():
         thread.start()
         with Client(listener.address, authkey=b"k" * 16) as gateway:
             x = torch.stack([observation(0, i) for i in range(2)])
-            _send(gateway, (1, b"not a pickle of this process's", None))
-            _send(gateway, (2, dumps(TensorDict(obs=x, batch_size=[2])), None))
+            _send(gateway, (1, None, b"not a pickle of this process's"))
+            _send(gateway, (2, None, dumps(TensorDict(obs=x, batch_size=[2]))))
             replies = dict(_recv(gateway) for _ in range(2))
-            _send(gateway, (3, dumps(TensorDict(obs=x, batch_size=[2])), None))  # the link still serves
+            _send(gateway, (3, None, dumps(TensorDict(obs=x, batch_size=[2]))))  # the link still serves
             replies.update([_recv(gateway)])
         thread.join(30)
     listener.close()

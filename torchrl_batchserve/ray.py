@@ -454,7 +454,7 @@ class _ServerActor:
 
         while True:
             try:
-                seq, payload, interaction = _recv(conn)
+                seq, interaction, payload = _recv(conn)
             except (EOFError, OSError):
                 return  # the gateway (or its node) is gone: its replies have nobody to go to
             except Exception:  # a message that cannot be read: end the link, so the gateway fails what is in flight
@@ -504,14 +504,21 @@ class _ServerActor:
         return self._server.close(timeout=timeout)
 
 
-def _send(conn: Connection, message: Any) -> None:
-    # wire.dumps: tensors as their bytes (Connection.send's pickler would pass them as
-    # shared-memory descriptors, which only work on one host).
-    conn.send_bytes(dumps(message))
+def _send(conn: Connection, message: tuple) -> None:
+    """A link message, ``(*head, body)``: its small head pickled, then its body (bytes, a batch or a reply
+    pickled on its own by ``wire.dumps``) as a frame of its own, so that the body is never pickled again.
+
+    The caller holds the connection's send lock: the two frames go together.
+    """
+    *head, body = message
+    conn.send_bytes(pickle.dumps(tuple(head), protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(body)
 
 
-def _recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
+def _recv(conn: Connection) -> tuple:
+    """A link message as :func:`_send` sent it: ``(*head, body)``."""
+    head = pickle.loads(conn.recv_bytes())
+    return (*head, conn.recv_bytes())
 
 
 def _outcome(error: BaseException | None, outputs: Any) -> bytes:
@@ -631,13 +638,14 @@ class _Link:
 
     def submit(self, batch: TensorDictBase, interaction: str | None) -> Future:
         future: Future = Future()
+        body = dumps(batch)  # before the lock, which the gateway's other serve loops and the reader take
         with self._lock:
             if self.broken is not None:
                 raise self.broken
             self._seq += 1
             self._waiting[self._seq] = future
             try:
-                _send(self._conn, (self._seq, dumps(batch), interaction))
+                _send(self._conn, (self._seq, interaction, body))
             except OSError as err:
                 self._waiting.pop(self._seq)
                 raise ServerBrokenError(f"the connection to the server actor broke: {err}") from err
