@@ -764,6 +764,17 @@ def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps(co
         torch.testing.assert_close(out["logits"], pw.make_net(5)(torch.ones(8)))
 
 
+def test_a_weight_group_push_of_a_module_holding_the_served_one_serves_that_one():
+    # a trainer's actor and critic: the critic's weights travel with the push and are left out by the server
+    with BatchedPolicyServer(TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])) as server:
+        trainer, receiver = weight_group(server)
+        actor = TensorDictModule(pw.make_net(7), in_keys=["observation"], out_keys=["logits"])
+        assert trainer.push(nn.ModuleDict({"actor": actor, "critic": nn.Linear(8, 1)})) == 1
+        out = result_at(server, trainer, receiver, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], pw.make_net(7)(torch.ones(8)))
+
+
 def test_a_weight_group_push_of_a_state_dict_may_leave_out_non_persistent_buffers():
     class WithConstant(nn.Module):
         def __init__(self, seed: int) -> None:

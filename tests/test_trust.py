@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,13 @@ from tensordict import TensorDict
 from tensordict.nn import InteractionType, TensorDictModule, TensorDictModuleBase
 from tensordict.nn.probabilistic import interaction_type
 
-from torchrl_batchserve import BatchedPolicyServer, ForwardTimeoutError, PolicyError, ServerBrokenError
+from torchrl_batchserve import (
+    BatchedPolicyServer,
+    ForwardTimeoutError,
+    PolicyError,
+    ServerBrokenError,
+    WeightSyncError,
+)
 from torchrl_batchserve.intake import CURRENT
 from torchrl_batchserve.serve import GATE
 
@@ -250,6 +257,55 @@ def net_at(version: int) -> PendulumPolicy:
     net = PendulumPolicy()
     net.load_state_dict(_VERSIONS[version])
     return net
+
+
+class PendulumParams(torch.nn.Module):
+    """A Gaussian's parameters for PendulumEnv: (loc, scale)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loc, scale = self.lin(torch.stack([th.sin(), th.cos(), thdot], -1)).unbind(-1)
+        return loc.unsqueeze(-1), torch.nn.functional.softplus(scale).unsqueeze(-1) + 0.01
+
+
+def test_a_push_of_the_trainers_actor_around_the_served_network_serves_the_networks_weights():
+    # Actors serve the network and sample around their RemotePolicy; the trainer's ProbabilisticActor
+    # wraps its own copy of the network, so its weights hold the served ones one level down.
+    from torchrl.collectors import Collector
+    from torchrl.envs import PendulumEnv
+    from torchrl.modules import ProbabilisticActor, TanhNormal
+
+    def actor_around(module):
+        spec = PendulumEnv().action_spec
+        return ProbabilisticActor(module, in_keys=["loc", "scale"], spec=spec, distribution_class=TanhNormal)
+
+    served = TensorDictModule(PendulumParams(), in_keys=["th", "thdot"], out_keys=["loc", "scale"])
+    trainer = actor_around(TensorDictModule(PendulumParams(), in_keys=["th", "thdot"], out_keys=["loc", "scale"]))
+    net = trainer.module[0].module
+    with BatchedPolicyServer(served, timeout=0.001) as server:
+        scheme = server.weight_sync_scheme()
+        collector = Collector(
+            PendulumEnv, actor_around(server.remote_policy()), frames_per_batch=8, total_frames=24,
+            auto_register_policy_transforms=False, weight_sync_schemes={"policy": scheme},
+        )  # fmt: skip
+        try:
+            for i, batch in enumerate(collector):
+                assert (batch["policy_version"] == i).all()
+                with torch.no_grad():
+                    torch.testing.assert_close(batch["loc"], net(batch["th"], batch["thdot"])[0])
+                    net.lin.weight.add_(0.5)
+                collector.update_policy_weights_(trainer)
+        finally:
+            collector.shutdown()
+        critic = torch.nn.Linear(3, 1)  # the trainer's other weights serve nothing and are left out
+        assert server.update_weights(torch.nn.ModuleDict({"actor": trainer, "critic": critic})) == 4
+        with pytest.raises(WeightSyncError, match="do not match the served policy"):  # held twice: which is meant?
+            server.update_weights(torch.nn.ModuleDict({"actor": trainer, "target": copy.deepcopy(trainer)}))
+        assert server.policy_version == 4
 
 
 def test_an_exploration_modules_annealed_buffer_reaches_the_actors_with_the_next_push():

@@ -239,15 +239,16 @@ class WeightReceiver:
         return True  # receive the next push either way: the group is in step
 
     def _served_names(self, layout: list) -> list:
-        """The pushed layout named as served (:meth:`ShadowWeights.renaming`)."""
+        """The pushed layout named as served (:meth:`ShadowWeights.renaming`); ``None``: a weight left out."""
         renamed = self._shadow.renaming({tuple(n.split(".")) for n, _, _ in layout})
         if renamed is None:
             return layout
-        return [(".".join(renamed[tuple(n.split("."))]), shape, dtype) for n, shape, dtype in layout]
+        served = (renamed.get(tuple(n.split("."))) for n, _, _ in layout)
+        return [(s and ".".join(s), shape, dtype) for s, (_, shape, dtype) in zip(served, layout)]
 
     def _check(self, version: int, layout: list) -> str | None:
         mine = {n: (s, d) for n, s, d in _layout(self._shadow.served)}
-        theirs = {n: (s, d) for n, s, d in layout}
+        theirs = {n: (s, d) for n, s, d in layout if n is not None}
         optional = {_name(k) for k in self._shadow.optional}  # may be left out
         diff = [
             f"{n}: served {mine.get(n)}, pushed {theirs.get(n)}"
@@ -268,7 +269,8 @@ class WeightReceiver:
             for d in shape:
                 n *= d
             start = offsets[dtype]
-            out.set(tuple(name.split(".")), buffers[dtype][start : start + n].view(shape))
+            if name is not None:
+                out.set(tuple(name.split(".")), buffers[dtype][start : start + n].view(shape))
             offsets[dtype] = start + n
         return out
 

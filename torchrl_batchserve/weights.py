@@ -104,33 +104,50 @@ class ShadowWeights:
         return self._latest
 
     def renaming(self, names: set[tuple[str, ...]]) -> dict[tuple[str, ...], tuple[str, ...]] | None:
-        """Each pushed name's served name, if ``names`` are the served weights named otherwise; else ``None``.
+        """The served name of each pushed name to serve, if ``names`` hold the served weights named otherwise.
 
-        A server of ``TensorDictModule(net, ...)``, or of a plain ``net`` it
-        wraps, serves ``net``'s weights under ``"module"``, and one of
-        ``torch.compile(net)`` under ``"_orig_mod"``: a push of ``net``
-        itself, compiled or not (``update_weights(net)``, its state_dict, a
-        weight group's push of it), names them without these.
+        ``None`` when ``names`` are the served ones, or when they hold them
+        nowhere (or in more than one place). A server of
+        ``TensorDictModule(net, ...)``, or of a plain ``net`` it wraps, serves
+        ``net``'s weights under ``"module"``, and one of ``torch.compile(net)``
+        under ``"_orig_mod"``: a push of ``net`` itself, compiled or not
+        (``update_weights(net)``, its state_dict, a weight group's push of
+        it), names them without these. A push of a module that holds the
+        served one as a submodule (a trainer's ``ProbabilisticActor`` around
+        the network that actors serve and sample from locally) names them
+        under its path; its other weights serve nothing and are left out.
         """
         served = {_path(k) for k in self._layout.keys(True, True)}
         required = served - {_path(k) for k in self.optional}
         if required <= names <= served:
             return None
         plain = {_plain(k): k for k in served}
+        if len(plain) != len(served) or not required:
+            return None
         top = list(self._layout.keys())
         wrapper = len(top) == 1 and isinstance(self._layout.get(top[0]), TensorDictBase)
+        anchor = max(map(_plain, required))  # every place that holds the served weights holds this one
+        pushed = {n: _plain(n) for n in names}
+        found: dict[frozenset, dict[tuple[str, ...], tuple[str, ...]]] = {}
         for prefix in ((), (top[0],)) if wrapper else ((),):
-            renamed = {n: plain.get(prefix + _plain(n)) for n in names}
-            found = set(renamed.values())
-            if len(plain) == len(served) and len(found) == len(names) and required <= found <= served:
-                return renamed  # type: ignore[return-value]
-        return None
+            tail = anchor[len(prefix) :]
+            for path in pushed.values():
+                cut = len(path) - len(tail)  # the served weights would sit under path[:cut]
+                if cut < 0 or path[cut:] != tail:
+                    continue
+                under = {n: plain.get(prefix + p[cut:]) for n, p in pushed.items() if p[:cut] == path[:cut]}
+                got = set(under.values())
+                if None not in got and len(got) == len(under) and required <= got:
+                    found[frozenset(under.items())] = under  # type: ignore[assignment]
+        return next(iter(found.values())) if len(found) == 1 else None
 
     def fit(self, weights: TensorDictBase) -> TensorDictBase:
         """``weights`` named as served (:meth:`renaming`); :class:`WeightSyncError` if they do not match."""
         renamed = self.renaming({_path(k) for k in weights.keys(True, True)})
         if renamed is not None:
-            weights = TensorDict({renamed[_path(k)]: v for k, v in weights.items(True, True)}, batch_size=[])
+            weights = TensorDict(
+                {renamed[_path(k)]: v for k, v in weights.items(True, True) if _path(k) in renamed}, batch_size=[]
+            )
         self.check(weights)
         return weights
 
