@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_mlp, obs, wait_for
 from tensordict import TensorDict
-from tensordict.nn import InteractionType, TensorDictModule, TensorDictModuleBase
+from tensordict.nn import InteractionType, TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.nn.probabilistic import interaction_type
 
 from torchrl_batchserve import (
@@ -306,6 +306,37 @@ def test_a_push_of_the_trainers_actor_around_the_served_network_serves_the_netwo
         with pytest.raises(WeightSyncError, match="do not match the served policy"):  # held twice: which is meant?
             server.update_weights(torch.nn.ModuleDict({"actor": trainer, "target": copy.deepcopy(trainer)}))
         assert server.policy_version == 4
+
+
+def test_a_collector_that_compiles_its_policy_compiles_around_the_remote_call_never_into_the_server():
+    # compile_policy= compiles the collector's policy: tracing into the RemotePolicy traced the server's
+    # own code (a lone caller runs its batch in its thread), the served forward and owned()'s refcounts too.
+    from torchrl.collectors import Collector
+    from torchrl.envs import PendulumEnv
+
+    traced = []
+
+    class Recording(PendulumPolicy):
+        def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+            traced.append(torch.compiler.is_compiling())
+            return super().forward(th, thdot)
+
+    net = Recording()
+    with BatchedPolicyServer(TensorDictModule(net, in_keys=["th", "thdot"], out_keys=["action"])) as server:
+        squash = TensorDictModule(torch.tanh, in_keys=["action"], out_keys=["squashed"])  # compiled, locally
+        collector = Collector(
+            PendulumEnv, TensorDictSequential(server.remote_policy(), squash), frames_per_batch=8, total_frames=16,
+            compile_policy={"backend": "eager"}, auto_register_policy_transforms=False,
+        )  # fmt: skip
+        try:
+            batches = list(collector)
+        finally:
+            collector.shutdown()
+    assert len(traced) >= 16 and not any(traced)  # every step (and the probe of its outputs) ran as it is
+    for batch in batches:
+        with torch.no_grad():
+            torch.testing.assert_close(batch["action"], net(batch["th"], batch["thdot"]))
+            torch.testing.assert_close(batch["squashed"], batch["action"].tanh())
 
 
 def test_an_exploration_modules_annealed_buffer_reaches_the_actors_with_the_next_push():

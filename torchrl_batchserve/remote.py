@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase, dispatch
 
@@ -62,6 +63,7 @@ class RemotePolicy(TensorDictModuleBase):
         self._endpoint = endpoint
         self._primer = primer
 
+    @torch.compiler.disable  # a compiled policy around it (compile_policy=) leaves the server to run as it is
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Serve ``tensordict`` in a batch and return it with the outputs written."""
