@@ -146,6 +146,32 @@ def test_a_server_node_serves_a_plain_module_given_its_keys():
         server.close()
 
 
+def test_a_server_node_takes_nested_keys_as_lists_as_torchrls_configs_do():
+    # a multi-agent policy reads ("agents", "observation"): in YAML, [[agents, observation]]
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+
+    from torchrl_batchserve.config import ServerConfig
+
+    yaml = """
+    name: nested
+    policy: {_target_: torch.nn.Linear, in_features: 2, out_features: 3}
+    in_keys: [[agents, observation]]
+    out_keys: [[agents, action]]
+    policy_version_key: [stats, version]
+    """
+    server = instantiate(OmegaConf.merge(OmegaConf.structured(ServerConfig), OmegaConf.create(yaml)))
+    try:
+        td = TensorDict(agents=TensorDict(observation=torch.ones(4, 2), batch_size=[4]))
+        out = server.remote_policy()(td)
+        with torch.no_grad():
+            torch.testing.assert_close(out["agents", "action"], server.module(td)["agents", "action"])
+        assert int(out["stats", "version"]) == 0
+    finally:
+        server.close()
+
+
 def test_an_input_spec_in_yaml_fixes_the_layout_by_key_and_names_the_entry_it_cannot_read():
     from tensordict import TensorDict
 

@@ -104,13 +104,13 @@ class ServerConfig(ConfigBase):
     cost_fn: Any = None
     max_batch_cost: int | None = None
     cache: Any = None
-    policy_version_key: str | None = "policy_version"
+    policy_version_key: Any = "policy_version"  # a nested key as a list: [stats, version]
     collate: Any = None
     input_spec: Any = None
     forward_timeout: float | None = None
     static_batch_size: int | None = None
-    in_keys: list[str] | None = None  # a plain nn.Module policy's (a TensorDictModule has its own)
-    out_keys: list[str] | None = None
+    in_keys: list[Any] | None = None  # a plain nn.Module policy's; a nested key as a list: [[agents, obs]]
+    out_keys: list[Any] | None = None
 
     def __post_init__(self) -> None:
         """Nothing to derive: every field is a keyword of the server."""
@@ -195,6 +195,10 @@ def build_server(cfg: DictConfig | ServerConfig | dict, policy: Any, **overrides
     kwargs: dict[str, Any] = OmegaConf.to_container(node, resolve=True)  # type: ignore[assignment]
     for name in _NOT_KWARGS:
         kwargs.pop(name)
+    for name in ("in_keys", "out_keys"):  # a nested key is a list in YAML, as in TorchRL's configs
+        if kwargs[name] is not None:
+            kwargs[name] = [_key(key) for key in kwargs[name]]
+    kwargs["policy_version_key"] = _key(kwargs["policy_version_key"])
     for name in ("collate", "cost_fn", "cache"):
         if kwargs[name] is not None:
             kwargs[name] = instantiate(getattr(node, name), _convert_="all")
@@ -203,6 +207,10 @@ def build_server(cfg: DictConfig | ServerConfig | dict, policy: Any, **overrides
         kwargs["input_spec"] = instantiate(node.input_spec, _convert_="all") if "_target_" in spec else _sample(spec)
     kwargs.update(overrides)
     return BatchedPolicyServer(policy, **kwargs)
+
+
+def _key(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
 
 
 def _sample(entries: dict, prefix: tuple = ()) -> TensorDict:
