@@ -339,6 +339,30 @@ def test_a_collector_that_compiles_its_policy_compiles_around_the_remote_call_ne
             torch.testing.assert_close(batch["squashed"], batch["action"].tanh())
 
 
+def test_a_compiled_served_policy_runs_its_compiled_graph_when_a_lone_caller_runs_the_batch_itself():
+    # RemotePolicy.forward is torch.compiler.disable'd, and a lone caller runs its batch inside it: the served
+    # policy's own compilation must still run there, as in the serve thread.
+    runs = []
+
+    def backend(graph, inputs):
+        def run(*args):
+            runs.append(threading.current_thread())
+            return graph.forward(*args)
+
+        return run
+
+    net = torch.compile(make_mlp(), backend=backend)
+    with BatchedPolicyServer(TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])) as server:
+        remote = server.remote_policy()
+        results = [remote(obs()) for _ in range(3)]
+        assert server.statistics().batches == 3
+    assert len(runs) == 3  # each forward ran the compiled graph, the later ones in the caller's thread
+    assert runs[1:] == [threading.main_thread()] * 2
+    for td in results:
+        with torch.no_grad():
+            torch.testing.assert_close(td["logits"], net(td["observation"]))
+
+
 def test_an_exploration_modules_annealed_buffer_reaches_the_actors_with_the_next_push():
     # A DQN recipe anneals EGreedyModule's eps (a buffer) with step(); the served
     # copy takes it, like the parameters, with the next versioned push.
