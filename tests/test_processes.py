@@ -492,9 +492,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_until(remote, version: int) -> None:
+def serve_until(remote, version: int, dtype: torch.dtype = torch.float32) -> None:
     """Call ``remote`` until its results carry ``version`` (a push is received in a thread of the server)."""
-    wait_for(lambda: int(remote(TensorDict(observation=torch.ones(8)))["policy_version"]) == version, f"v{version}")
+    ones = TensorDict(observation=torch.ones(8, dtype=dtype))
+    wait_for(lambda: int(remote(ones.clone())["policy_version"]) == version, f"v{version}")
 
 
 def weight_group(server: BatchedPolicyServer) -> tuple:
@@ -508,11 +509,11 @@ def weight_group(server: BatchedPolicyServer) -> tuple:
         return trainer.result(timeout=60), receiver
 
 
-def result_at(server: BatchedPolicyServer, trainer, receiver, version: int) -> TensorDict:
+def result_at(server: BatchedPolicyServer, trainer, receiver, version: int, dtype=torch.float32) -> TensorDict:
     """``server``'s result for ones once it serves ``version``; its receiver stayed healthy; the trainer leaves."""
     remote = server.remote_policy()
-    serve_until(remote, version)
-    out = remote(TensorDict(observation=torch.ones(8)))
+    serve_until(remote, version, dtype)
+    out = remote(TensorDict(observation=torch.ones(8, dtype=dtype)))
     assert receiver.alive and receiver.error is None
     trainer.close()
     return out
@@ -773,6 +774,16 @@ def test_a_weight_group_push_of_a_module_holding_the_served_one_serves_that_one(
         out = result_at(server, trainer, receiver, 1)
     with torch.no_grad():
         torch.testing.assert_close(out["logits"], pw.make_net(7)(torch.ones(8)))
+
+
+def test_a_weight_group_push_from_a_float32_trainer_serves_a_bfloat16_server_its_weights_cast():
+    served = TensorDictModule(pw.make_net(0).to(torch.bfloat16), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(served) as server:
+        trainer, receiver = weight_group(server)
+        assert trainer.push(pw.make_net(3)) == 1
+        out = result_at(server, trainer, receiver, 1, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], pw.make_net(3).to(torch.bfloat16)(out["observation"]))
 
 
 def test_a_weight_group_push_of_a_state_dict_may_leave_out_non_persistent_buffers():

@@ -668,13 +668,29 @@ def test_the_weights_of_the_module_a_tensordictmodule_wraps_are_taken_as_its_own
         with torch.no_grad():
             torch.testing.assert_close(out["logits"], trained(out["observation"]))
         other = trained.state_dict()
-        other["0.weight"] = other["0.weight"].double()
+        other["0.weight"] = other["0.weight"].to(torch.int32)
         with pytest.raises(
             WeightSyncError, match=r"weight \('module', .*'0', 'weight'\): expected .*dtype torch.float32"
         ):
             server.update_weights(other)  # nested, then checked like any push
         with pytest.raises(WeightSyncError, match="weights do not match the served policy"):
             server.update_weights(torch.nn.Linear(8, 3))
+
+
+def test_a_server_in_half_precision_takes_a_float32_trainers_weights_cast_and_refuses_other_dtypes():
+    # Serving in bfloat16 while training in float32: each floating weight is cast as it is staged.
+    served = copy.deepcopy(make_mlp()).to(torch.bfloat16)
+    policy = TensorDictModule(served, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        trainer = make_mlp(seed=4)
+        assert server.update_weights(trainer) == 1
+        td = server.remote_policy()(TensorDict(observation=torch.randn(8, dtype=torch.bfloat16)))
+        expected = copy.deepcopy(trainer).to(torch.bfloat16)
+        with torch.no_grad():
+            torch.testing.assert_close(td["logits"], expected(td["observation"]))
+        assert all(p.dtype == torch.float32 for p in trainer.parameters())  # read, never cast in place
+        with pytest.raises(WeightSyncError, match=r"dtype torch.bfloat16, got shape .* and dtype torch.int64"):
+            server.update_weights({k: v.long() for k, v in trainer.state_dict().items()})
 
 
 class WithConstant(torch.nn.Module):

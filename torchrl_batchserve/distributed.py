@@ -47,7 +47,7 @@ import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
 from torchrl_batchserve.errors import WeightSyncError
-from torchrl_batchserve.weights import ShadowWeights, as_weights, check_version
+from torchrl_batchserve.weights import ShadowWeights, as_weights, castable, check_version
 
 __all__ = ["WeightBroadcaster", "WeightReceiver"]
 
@@ -68,6 +68,11 @@ def _wait(work: Any) -> None:
 
 def _layout(weights: TensorDictBase) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return [(_name(k), tuple(v.shape), v.dtype) for k, v in _leaves(weights)]
+
+
+def _fits(served: Any, pushed: Any) -> bool:
+    """Whether a pushed ``(shape, dtype)`` can be staged as a served one (``weights.castable``)."""
+    return served is not None and pushed is not None and served[0] == pushed[0] and castable(pushed[1], served[1])
 
 
 def _name(key: Any) -> str:
@@ -253,7 +258,7 @@ class WeightReceiver:
         diff = [
             f"{n}: served {mine.get(n)}, pushed {theirs.get(n)}"
             for n in sorted(set(mine) | set(theirs))
-            if mine.get(n) != theirs.get(n) and not (n in optional and n not in theirs)
+            if not _fits(mine.get(n), theirs.get(n)) and not (n in optional and n not in theirs)
         ]
         if diff:
             return "metadata mismatch: " + "; ".join(diff[:5])

@@ -26,7 +26,7 @@ from torch.nn.parameter import is_lazy
 
 from torchrl_batchserve.errors import WeightSyncError
 
-__all__ = ["ShadowWeights", "Snapshot", "as_weights", "non_persistent"]
+__all__ = ["ShadowWeights", "Snapshot", "as_weights", "castable", "non_persistent"]
 
 
 def as_weights(weights: Any) -> TensorDictBase:
@@ -167,7 +167,7 @@ class ShadowWeights:
             target, value = self._layout.get(key), weights.get(key)
             if value.is_meta:
                 raise WeightSyncError(f"weight {key!r}: is on the meta device (it holds no values to serve)")
-            if target.shape != value.shape or target.dtype != value.dtype:
+            if target.shape != value.shape or not castable(value.dtype, target.dtype):
                 raise WeightSyncError(
                     f"weight {key!r}: expected shape {tuple(target.shape)} and dtype {target.dtype}, "
                     f"got shape {tuple(value.shape)} and dtype {value.dtype}"
@@ -180,7 +180,9 @@ class ShadowWeights:
         keys = list(weights.keys(True, True))
         layout = self._layout if len(keys) == len(self._layout.keys(True, True)) else self._layout.select(*keys)
         with torch.no_grad():
-            tensors = layout.apply(lambda ref, w: w.detach().to(self._device or ref.device, copy=True), weights)
+            tensors = layout.apply(
+                lambda ref, w: w.detach().to(self._device or ref.device, dtype=ref.dtype, copy=True), weights
+            )
         with self._lock:
             earlier = self._latest
             if version is None:
@@ -196,6 +198,20 @@ class ShadowWeights:
             ready = _record_event(tensors, after) if tensors.device is None or tensors.device.type == "cuda" else None
             self._latest = Snapshot(version, tensors, ready)
         return version
+
+
+_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def castable(pushed: torch.dtype, served: torch.dtype) -> bool:
+    """Whether a pushed weight of dtype ``pushed`` is served as ``served``: the same, or both plain floats.
+
+    A trainer in float32 may push to a server of the same policy in bfloat16
+    or float16 (each weight is cast as it is staged), as TorchRL's own
+    ``update_`` of a policy's weights casts. Any other dtype must match: an
+    integer buffer, a quantized (float8) weight.
+    """
+    return pushed == served or (pushed in _FLOATS and served in _FLOATS)
 
 
 def non_persistent(module: nn.Module) -> frozenset:
