@@ -416,10 +416,15 @@ def test_float8_weights_reach_a_ray_server_and_uint16_outputs_come_back_through_
         assert handle.update_weights(trained) == 1
         x = observation(0, 1)
         act, code, version = ray.get(served_on_a_node.options(resources=NODE_A).remote(handle.remote_policy(), x))
+        # a float64 copy of the float32 weights is cast to them as it is staged; the float8 scale must match
+        doubled = TensorDict.from_module(trained).apply(lambda t: t.double() if t.dtype == torch.float32 else t)
+        assert handle.update_weights(doubled) == 2
+        again = ray.get(served_on_a_node.options(resources=NODE_A).remote(handle.remote_policy(), x))
     with torch.no_grad():
         want_act, want_code = trained(x)
     assert version == 1 and code == want_code.tolist()
     torch.testing.assert_close(torch.tensor(act), want_act)
+    assert again == (act, code, 2)
 
 
 def recurrent_factory() -> TensorDictModule:
