@@ -679,7 +679,7 @@ def test_the_weights_of_the_module_a_tensordictmodule_wraps_are_taken_as_its_own
 
 def test_a_server_in_half_precision_takes_a_float32_trainers_weights_cast_and_refuses_other_dtypes():
     # Serving in bfloat16 while training in float32: each floating weight is cast as it is staged.
-    served = copy.deepcopy(make_mlp()).to(torch.bfloat16)
+    served = make_mlp().to(torch.bfloat16)
     policy = TensorDictModule(served, in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy) as server:
         trainer = make_mlp(seed=4)
