@@ -475,6 +475,45 @@ def test_a_collector_on_an_actor_node_collects_through_the_ray_served_policy(clu
         assert handle.statistics().rows >= 32
 
 
+def pendulum_factory() -> TensorDictModule:
+    torch.manual_seed(0)
+    return TensorDictModule(PendulumNet(), in_keys=["th", "thdot"], out_keys=["action"])
+
+
+def test_torchrls_ray_collector_given_the_handle_collects_through_the_server_and_pushes_through_it(cluster):
+    # RayCollector(policy=...) takes a Ray-owned inference service as TorchRL's InferenceServer is one: the handle too
+    from torchrl.collectors.distributed import RayCollector
+    from torchrl.envs import PendulumEnv
+
+    trainer = pendulum_factory()
+    versions = {0: TensorDict.from_module(trainer).data.clone()}
+    with served(pendulum_factory, max_batch_size=8) as handle:
+        nodes = [{"num_cpus": 0, "resources": node} for node in (NODE_A, NODE_B)]
+        collector = RayCollector(
+            [PendulumEnv, PendulumEnv],
+            policy=handle,
+            frames_per_batch=32,
+            total_frames=96,
+            sync=True,
+            remote_configs=nodes,
+        )
+        try:
+            for i, batch in enumerate(collector):
+                assert batch["policy_version"].unique().tolist() == [i]  # sync: each batch collected after the push
+                net = pendulum_factory()
+                versions[i].to_module(net)
+                with torch.no_grad():
+                    torch.testing.assert_close(batch["action"], net(batch.exclude("action"))["action"])
+                with torch.no_grad():
+                    trainer.module.linear.weight.add_(0.5)
+                collector.update_policy_weights_(trainer)
+                versions[i + 1] = TensorDict.from_module(trainer).data.clone()
+        finally:
+            collector.shutdown()
+        assert i == 2 and handle.statistics().policy_version == 3
+        assert handle.statistics().rows >= 96
+
+
 def test_the_server_serves_on_when_a_node_with_actors_dies(cluster):
     node = cluster.add_node(num_cpus=1, resources={"node_c": 100})
     cluster.wait_for_nodes()

@@ -180,6 +180,22 @@ class RayServer:
         """
         return push_weights([self], weights)
 
+    # TorchRL's RayCollector(policy=...) takes a Ray-owned inference service: one that says
+    # service_backend == "ray" and has client(), clients(n) and update_model_weights(weights).
+    service_backend = "ray"
+
+    def client(self) -> RemotePolicy:
+        """:meth:`remote_policy`, by the name TorchRL's inference services give it."""
+        return self.remote_policy()
+
+    def clients(self, num_clients: int) -> list[RemotePolicy]:
+        """A :meth:`remote_policy` for each of ``num_clients`` collectors (``RayCollector(policy=handle)``)."""
+        return [self.remote_policy() for _ in range(num_clients)]
+
+    def update_model_weights(self, weights: Any) -> int:
+        """:meth:`update_weights`: what ``RayCollector.update_policy_weights_(module)`` calls."""
+        return self.update_weights(weights)
+
     def weight_sync_scheme(self) -> Any:
         """A TorchRL ``WeightSyncScheme`` for collectors: ``update_policy_weights_(policy)`` pushes here."""
         from torchrl_batchserve.weight_sync import BatchServeWeightSyncScheme
