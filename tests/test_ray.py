@@ -514,6 +514,44 @@ def test_torchrls_ray_collector_given_the_handle_collects_through_the_server_and
         assert handle.statistics().rows >= 96
 
 
+def test_worker_processes_of_a_collector_on_an_actor_node_reach_the_server_through_the_nodes_gateway(cluster):
+    # each remote collector a MultiSyncCollector: it pickles the policy into spawned processes, which are not Ray
+    # processes and cannot unpickle the server actor's handle; they get the hub of their node's gateway instead
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.collectors.distributed import RayCollector
+    from torchrl.envs import PendulumEnv
+
+    trainer = pendulum_factory()
+    weights = TensorDict.from_module(trainer).data.clone()
+    with served(pendulum_factory, max_batch_size=8) as handle:
+        collector = RayCollector(
+            [PendulumEnv],
+            policy=handle,
+            collector_class=MultiSyncCollector,
+            num_workers_per_collector=2,
+            frames_per_batch=32,
+            total_frames=64,
+            sync=True,
+            remote_configs=[{"num_cpus": 0, "resources": NODE_A}],
+        )
+        try:
+            for i, batch in enumerate(collector):
+                batch = batch.reshape(-1)
+                assert batch.numel() == 32 and batch["policy_version"].unique().tolist() == [i]
+                net = pendulum_factory()
+                weights.to_module(net)
+                with torch.no_grad():
+                    torch.testing.assert_close(batch["action"], net(batch.exclude("action"))["action"])
+                    trainer.module.linear.weight.mul_(-1)
+                collector.update_policy_weights_(trainer)
+                weights = TensorDict.from_module(trainer).data.clone()
+        finally:
+            collector.shutdown()
+        assert i == 1
+        (gateway,) = handle.gateway_statistics().values()
+        assert gateway.rows >= 64
+
+
 def test_the_server_serves_on_when_a_node_with_actors_dies(cluster):
     node = cluster.add_node(num_cpus=1, resources={"node_c": 100})
     cluster.wait_for_nodes()

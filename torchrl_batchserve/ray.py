@@ -10,7 +10,9 @@ inside a Ray actor. Its :meth:`RayServer.remote_policy` is a
 :class:`~torchrl_batchserve.RemotePolicy` that pickles into any Ray task,
 actor or driver. On first use there it asks the server actor for a policy of
 its own node: on the server's node, the server's own process hub; on any
-other node, the hub of that node's gateway. A gateway is a Ray actor pinned to
+other node, the hub of that node's gateway (a process such a Ray process
+spawns, a collector's worker, gets that hub's client pickled: it needs no
+Ray). A gateway is a Ray actor pinned to
 its node (made by the server actor on first demand, so it dies with it) that
 runs a ``BatchedPolicyServer`` of its own, whose "policy" sends each of its
 batches over one TCP connection (:class:`_Link`) to the server actor, where
@@ -52,6 +54,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import ray
@@ -357,6 +360,17 @@ class RayEndpoint:
         )
         return future
 
+    def _for_a_child(self) -> tuple:
+        """How ``multiprocessing`` pickles it (a collector's worker processes, on this node, without Ray).
+
+        A spawned child of a Ray process is no Ray process: it cannot
+        unpickle the server actor's handle. It gets this node's hub client
+        instead (asked of the server actor here, if this process has not yet),
+        as a pickled ``RemotePolicy`` of a server in its own process would.
+        Ray pickles it by ``__reduce__``, to reconnect on whichever node it lands.
+        """
+        return self._policy()._endpoint.__reduce__()
+
     async def acall(self, td: TensorDictBase) -> TensorDictBase:
         policy = await asyncio.to_thread(self._policy) if self._local is None else self._policy()
         try:
@@ -366,6 +380,9 @@ class RayEndpoint:
             if why is err:
                 raise
             raise why from err
+
+
+ForkingPickler.register(RayEndpoint, RayEndpoint._for_a_child)
 
 
 class _ServerActor:
