@@ -445,6 +445,77 @@ def test_a_ray_served_recurrent_policy_gives_collectors_the_primer_of_its_state(
             assert primer.primers["recurrent_state_h"].shape == (1, 8)
 
 
+RAY_RECIPE = """
+defaults:
+  - env: mock_for_ray_tests
+  - collector: sync
+  - server@server: batchserve_ray
+  - _self_
+server:
+  name: ray_recipe
+  num_cpus: 0
+  resources: {server: 0.01}
+  max_batch_size: 8
+  policy:
+    _target_: tensordict.nn.TensorDictModule
+    module: {_target_: torch.nn.Linear, in_features: 7, out_features: 7}
+    in_keys: [observation]
+    out_keys: [action]
+collector:
+  create_env_fn: ${env}
+  backend: ray
+  num_collectors: 2
+  sync: true
+  backend_options:
+    remote_configs: [{num_cpus: 0, resources: {node_a: 1}}, {num_cpus: 0, resources: {node_b: 1}}]
+  frames_per_batch: 16
+  total_frames: 32
+  policy: ${server}
+remote:
+  _target_: torchrl_batchserve.config.remote_policy
+  server: ${server}
+"""
+
+
+def test_a_ray_server_node_is_the_policy_of_torchrls_collector_node_on_the_ray_backend(cluster, tmp_path):
+    from dataclasses import make_dataclass
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.utils import instantiate
+    from torchrl.trainers.algorithms.configs.common import ConfigBase
+
+    import torchrl_batchserve.config  # noqa: F401  (registers the nodes)
+
+    env = [("_target_", str, "torchrl.testing.mocking_classes.ContinuousActionVecMockEnv"), ("_partial_", bool, True)]
+    ConfigStore.instance().store(
+        group="env", name="mock_for_ray_tests", node=make_dataclass("MockEnv", env, bases=(ConfigBase,))
+    )
+    (tmp_path / "recipe.yaml").write_text(RAY_RECIPE)
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        cfg = compose(config_name="recipe")
+    handle = instantiate(cfg.server)
+    try:
+        assert isinstance(handle, RayServer) and instantiate(cfg.server) is handle  # one server per name
+        trainer = TensorDictModule(torch.nn.Linear(7, 7), in_keys=["observation"], out_keys=["action"])
+        assert handle.update_weights(trainer) == 1  # known weights: the actor built its own
+        # TorchRL's RayCollector, its policy the handle (its backend_options taken as plain dicts)
+        collector = instantiate(cfg.collector, _convert_="all")
+        try:
+            batch = next(iter(collector)).reshape(-1)
+        finally:
+            collector.shutdown()
+        assert batch.numel() == 16 and batch["policy_version"].eq(1).all()
+        with torch.no_grad():
+            torch.testing.assert_close(batch["action"], trainer(batch.exclude("action"))["action"])
+        remote = instantiate(cfg.remote)
+        assert int(remote(TensorDict(observation=torch.ones(7)))["policy_version"]) == 1
+    finally:
+        handle.close()
+    assert instantiate(cfg.server) is not handle  # a closed one is started anew
+    instantiate(cfg.server).close()
+
+
 def test_one_push_reaches_several_servers_as_one_version_or_none(cluster):
     servers = [serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=8) for _ in range(2)]
     try:

@@ -1,7 +1,7 @@
 """Hydra/OmegaConf at the edge: structured configs that compose with TorchRL's, and builders.
 
 This is the only module that imports Hydra or OmegaConf; the core takes typed
-arguments. Three nodes, registered in Hydra's ConfigStore when this module is
+arguments. Four nodes, registered in Hydra's ConfigStore when this module is
 imported, in the style of ``torchrl.trainers.algorithms.configs``
 (``ConfigBase`` dataclasses with a ``_target_``):
 
@@ -12,7 +12,11 @@ imported, in the style of ``torchrl.trainers.algorithms.configs``
   ``remote_policy()``, e.g. as ``collector.policy``;
 - ``weight_sync_scheme/batchserve`` (:class:`WeightSyncSchemeConfig`): that
   server's ``weight_sync_scheme()``, e.g. as
-  ``collector.weight_sync_schemes.policy``.
+  ``collector.weight_sync_schemes.policy``;
+- ``server/batchserve_ray`` (:class:`RayServerConfig`): a server started as a
+  Ray actor (:func:`~torchrl_batchserve.ray.serve_on_ray`), whose handle the
+  two nodes above take too, and which TorchRL's collector node with
+  ``backend: ray`` takes as its ``policy`` (``policy: ${server}``).
 
 The last two hold the server node (``server: ${server}``); however many nodes
 refer to it, instantiating them builds one server::
@@ -39,8 +43,10 @@ by the caller.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +60,12 @@ from torchrl.trainers.algorithms.configs.common import ConfigBase
 from torchrl_batchserve.server import BatchedPolicyServer
 
 __all__ = [
+    "RayServerConfig",
     "RemotePolicyConfig",
     "ServerConfig",
     "WeightSyncSchemeConfig",
     "build_server",
+    "ray_server",
     "register_configs",
     "remote_policy",
     "server",
@@ -117,6 +125,26 @@ class ServerConfig(ConfigBase):
 
 
 @dataclass
+class RayServerConfig(ServerConfig):
+    """A server started as a Ray actor (:func:`~torchrl_batchserve.ray.serve_on_ray`): a server node, placed.
+
+    ``policy`` is built in the server actor, from the node (its ``_target_``
+    must be importable there). ``num_gpus``, ``num_cpus``, ``resources``,
+    ``max_restarts`` and ``gateway_depth`` are ``serve_on_ray``'s; the other
+    fields are the server's, as in :class:`ServerConfig`. Instantiating it
+    needs a connected Ray (``ray.init``) and gives the handle
+    (:class:`~torchrl_batchserve.ray.RayServer`), once per ``name``.
+    """
+
+    _target_: str = "torchrl_batchserve.config.ray_server"
+    num_gpus: float = 0
+    num_cpus: float = 1
+    resources: dict[str, float] | None = None
+    max_restarts: int = 0
+    gateway_depth: int = 2
+
+
+@dataclass
 class RemotePolicyConfig(ConfigBase):
     """``server.remote_policy()`` of the server node ``server`` (e.g. ``server: ${server}``)."""
 
@@ -140,7 +168,7 @@ class WeightSyncSchemeConfig(ConfigBase):
 
 # name -> (settings, server): held weakly, so a server nobody uses any more (a closed one, its
 # replicas' device memory included) is not kept alive by its name.
-_SERVERS: dict[str, tuple[dict, weakref.ref[BatchedPolicyServer]]] = {}
+_SERVERS: dict[str, tuple[dict, weakref.ref[Any]]] = {}
 _SERVERS_LOCK = threading.Lock()
 _NOT_KWARGS = ("_target_", "_recursive_", "name", "policy")
 
@@ -153,6 +181,39 @@ def server(name: str = "server", policy: Any = None, **kwargs: Any) -> BatchedPo
     closed, or until nothing holds it), so every node that refers to it
     shares one. The same name with other arguments raises ``ValueError``.
     """
+    return _named(name, policy, kwargs, lambda: build_server(kwargs, instantiate(policy, _convert_="all")).start())
+
+
+def ray_server(
+    name: str = "server",
+    policy: Any = None,
+    *,
+    num_gpus: float = 0,
+    num_cpus: float = 1,
+    resources: dict[str, float] | None = None,
+    max_restarts: int = 0,
+    gateway_depth: int = 2,
+    **kwargs: Any,
+) -> Any:
+    """The handle of the Ray-served server called ``name``, started the first time (as :func:`server`).
+
+    Called by Hydra for a :class:`RayServerConfig` node. The policy node
+    travels to the server actor and is instantiated there.
+    """
+    from torchrl_batchserve.ray import serve_on_ray
+
+    placement = {"num_gpus": num_gpus, "num_cpus": num_cpus, "resources": _plain(resources)}
+    placement.update(max_restarts=max_restarts, gateway_depth=gateway_depth)
+
+    def start() -> Any:
+        factory = functools.partial(instantiate, _plain(policy), _convert_="all")
+        return serve_on_ray(factory, **placement, **_server_kwargs(kwargs))
+
+    return _named(name, policy, {**kwargs, **placement}, start)
+
+
+def _named(name: str, policy: Any, kwargs: dict[str, Any], start: Callable[[], Any]) -> Any:
+    """The open server called ``name`` if it was built from these arguments; else ``start()``'s, under that name."""
     settings = {"policy": _plain(policy), **{k: _plain(v) for k, v in kwargs.items()}}
     with _SERVERS_LOCK:
         known = _SERVERS.get(name)
@@ -164,18 +225,18 @@ def server(name: str = "server", policy: Any = None, **kwargs: Any) -> BatchedPo
             return existing
         if policy is None:
             raise ValueError(f"server {name!r}: the server node needs a policy node with a _target_ (got None)")
-        built = build_server(kwargs, instantiate(policy, _convert_="all")).start()
+        built = start()
         _SERVERS[name] = (settings, weakref.ref(built))
         return built
 
 
-def remote_policy(server: BatchedPolicyServer) -> Any:
-    """``server.remote_policy()``: the node a collector's ``policy`` refers to."""
+def remote_policy(server: Any) -> Any:
+    """``server.remote_policy()`` (a server node's, or a Ray server node's): the node of a collector's ``policy``."""
     return server.remote_policy()
 
 
-def weight_sync_scheme(server: BatchedPolicyServer) -> Any:
-    """``server.weight_sync_scheme()``: the node of a collector's ``weight_sync_schemes``."""
+def weight_sync_scheme(server: Any) -> Any:
+    """``server.weight_sync_scheme()`` (a server node's, or a Ray server node's): a collector's scheme."""
     return server.weight_sync_scheme()
 
 
@@ -189,6 +250,11 @@ def build_server(cfg: DictConfig | ServerConfig | dict, policy: Any, **overrides
     Interpolations in ``cfg`` resolve against the config it belongs to (a
     recipe's ``server: {max_batch_size: ${searchers}}``), before the merge.
     """
+    return BatchedPolicyServer(policy, **{**_server_kwargs(cfg), **overrides})
+
+
+def _server_kwargs(cfg: DictConfig | ServerConfig | dict) -> dict[str, Any]:
+    """A server node's keyword arguments of the server (not its name and policy), its parts built."""
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     node = OmegaConf.merge(OmegaConf.structured(ServerConfig), cfg)
@@ -205,8 +271,7 @@ def build_server(cfg: DictConfig | ServerConfig | dict, policy: Any, **overrides
     spec = kwargs["input_spec"]
     if spec is not None:
         kwargs["input_spec"] = instantiate(node.input_spec, _convert_="all") if "_target_" in spec else _sample(spec)
-    kwargs.update(overrides)
-    return BatchedPolicyServer(policy, **kwargs)
+    return kwargs
 
 
 def _key(key: Any) -> Any:
@@ -245,11 +310,12 @@ def _sample(entries: dict, prefix: tuple = ()) -> TensorDict:
 def register_configs() -> None:
     """Register the nodes in Hydra's ConfigStore (done on import; calling it again is harmless).
 
-    ``server/batchserve``, ``policy/batchserve_remote`` and
-    ``weight_sync_scheme/batchserve``, next to TorchRL's own groups.
+    ``server/batchserve``, ``server/batchserve_ray``, ``policy/batchserve_remote``
+    and ``weight_sync_scheme/batchserve``, next to TorchRL's own groups.
     """
     store = ConfigStore.instance()
     store.store(group="server", name="batchserve", node=ServerConfig)
+    store.store(group="server", name="batchserve_ray", node=RayServerConfig)
     store.store(group="policy", name="batchserve_remote", node=RemotePolicyConfig)
     store.store(group="weight_sync_scheme", name="batchserve", node=WeightSyncSchemeConfig)
 

@@ -162,6 +162,7 @@ class RayServer:
         # the served names, shapes, dtypes (meta tensors) and what a push may leave out: pushes are checked here
         self._layout = ShadowWeights(layout, optional=optional)
         self._version = 0  # the newest version this handle pushed or saw
+        self.closed = False  # whether close() was called on this handle
 
     def __reduce__(self) -> tuple:
         layout = self._layout
@@ -215,6 +216,7 @@ class RayServer:
 
     def close(self, timeout: float = 30.0) -> bool:
         """Close the server and its gateways, then end its actor; True when the serve loops stopped."""
+        self.closed = True
         try:
             stopped = ray.get(self.actor.close.remote(timeout), timeout=timeout + 10)
         except (RayActorError, GetTimeoutError):
