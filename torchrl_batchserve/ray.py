@@ -10,9 +10,9 @@ inside a Ray actor. Its :meth:`RayServer.remote_policy` is a
 :class:`~torchrl_batchserve.RemotePolicy` that pickles into any Ray task,
 actor or driver. On first use there it asks the server actor for a policy of
 its own node: on the server's node, the server's own process hub; on any
-other node, the hub of that node's gateway (a process such a Ray process
-spawns, a collector's worker, gets that hub's client pickled: it needs no
-Ray). A gateway is a Ray actor pinned to
+other node, the hub of that node's gateway. (A process that a Ray process
+spawns, such as a collector's worker, gets that hub's client when the policy
+is pickled into it, and needs no Ray.) A gateway is a Ray actor pinned to
 its node (made by the server actor on first demand, so it dies with it) that
 runs a ``BatchedPolicyServer`` of its own, whose "policy" sends each of its
 batches over one TCP connection (:class:`_Link`) to the server actor, where
