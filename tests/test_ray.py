@@ -546,6 +546,42 @@ def test_a_collector_on_an_actor_node_collects_through_the_ray_served_policy(clu
         assert handle.statistics().rows >= 32
 
 
+def _call_in(remote, results) -> None:
+    try:
+        results.put(("ok", remote(TensorDict(obs=torch.ones(4)))["act"].tolist()))
+    except BaseException as err:
+        results.put((type(err).__name__, str(err)))
+
+
+@ray.remote(num_cpus=0)
+def fork_and_call(remote, warm: bool) -> tuple:
+    """Call ``remote`` in a child forked from this Ray worker (after calling it here first, if ``warm``)."""
+    import multiprocessing
+
+    if warm:
+        remote(TensorDict(obs=torch.ones(4)))
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=_call_in, args=(remote, results))
+    child.start()
+    try:
+        return results.get(timeout=60)
+    finally:
+        child.join(10)
+        child.kill()
+
+
+def test_a_child_forked_from_a_ray_worker_calls_through_the_hub_it_inherited_or_is_told_why_it_cannot(cluster):
+    # Ray's connection does not survive a fork: asking the server actor from the child would hang
+    with served() as handle:
+        remote = handle.remote_policy()
+        outcome, act = ray.get(fork_and_call.options(resources=NODE_A).remote(remote, True), timeout=120)
+        assert outcome == "ok"
+        torch.testing.assert_close(torch.tensor(act), reference(None, torch.ones(4)))
+        outcome, why = ray.get(fork_and_call.options(resources=NODE_B).remote(remote, False), timeout=120)
+        assert outcome == "ServerBrokenError" and "call it once before forking" in why
+
+
 def pendulum_factory() -> TensorDictModule:
     torch.manual_seed(0)
     return TensorDictModule(PendulumNet(), in_keys=["th", "thdot"], out_keys=["action"])

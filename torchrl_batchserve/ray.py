@@ -308,7 +308,14 @@ class RayEndpoint:
 
     def _policy(self) -> RemotePolicy:
         with self._lock:
+            if self._local is not None and self._local[0] != os.getpid() and _forked_from_ray:
+                self._local = (os.getpid(), self._local[1])  # its hub's client connects anew in this child
             if self._local is None or self._local[0] != os.getpid():
+                if _forked_from_ray:  # Ray's connection, inherited by fork, does not work here (it would hang)
+                    raise ServerBrokenError(
+                        "this process was forked from a Ray process that had not called the policy: call it once "
+                        "before forking, or spawn the process (a spawned one gets its node's hub client)"
+                    )
                 node = ray.get_runtime_context().get_node_id()
                 try:
                     policy = _ask(self.actor, "connect", node)
@@ -385,6 +392,16 @@ class RayEndpoint:
 
 
 ForkingPickler.register(RayEndpoint, RayEndpoint._for_a_child)
+
+_forked_from_ray = False  # this process is a fork of a Ray process: only what it inherited reaches a server
+
+
+def _after_fork_in_child() -> None:
+    global _forked_from_ray
+    _forked_from_ray = _forked_from_ray or ray.is_initialized()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _ServerActor:
