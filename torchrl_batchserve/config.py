@@ -202,8 +202,13 @@ def ray_server(
     """
     from torchrl_batchserve.ray import serve_on_ray
 
-    placement = {"num_gpus": num_gpus, "num_cpus": num_cpus, "resources": _plain(resources)}
-    placement.update(max_restarts=max_restarts, gateway_depth=gateway_depth)
+    placement = dict(
+        num_gpus=num_gpus,
+        num_cpus=num_cpus,
+        resources=_plain(resources),
+        max_restarts=max_restarts,
+        gateway_depth=gateway_depth,
+    )
 
     def start() -> Any:
         factory = functools.partial(instantiate, _plain(policy), _convert_="all")

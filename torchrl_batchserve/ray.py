@@ -308,23 +308,30 @@ class RayEndpoint:
 
     def _policy(self) -> RemotePolicy:
         with self._lock:
-            if self._local is not None and self._local[0] != os.getpid() and _forked_from_ray:
-                self._local = (os.getpid(), self._local[1])  # its hub's client connects anew in this child
             if self._local is None or self._local[0] != os.getpid():
-                if _forked_from_ray:  # Ray's connection, inherited by fork, does not work here (it would hang)
-                    raise ServerBrokenError(
-                        "this process was forked from a Ray process that had not called the policy: call it once "
-                        "before forking, or spawn the process (a spawned one gets its node's hub client)"
-                    )
-                node = ray.get_runtime_context().get_node_id()
-                try:
-                    policy = _ask(self.actor, "connect", node)
-                except RayTaskError as err:
-                    raise _cause(err) from None
-                except (RayActorError, GetTimeoutError) as err:
-                    raise ServerBrokenError(f"the server actor cannot be reached: {err}") from err
-                self._local = (os.getpid(), policy)
+                self._local = (os.getpid(), self._inherited() if _forked_from_ray else self._connect())
             return self._local[1]
+
+    def _connect(self) -> RemotePolicy:
+        """This node's policy, asked of the server actor."""
+        try:
+            return _ask(self.actor, "connect", ray.get_runtime_context().get_node_id())
+        except RayTaskError as err:
+            raise _cause(err) from None
+        except (RayActorError, GetTimeoutError) as err:
+            raise ServerBrokenError(f"the server actor cannot be reached: {err}") from err
+
+    def _inherited(self) -> RemotePolicy:
+        """In a fork of a Ray process, whose Ray connection does not work (asking would hang): the parent's policy.
+
+        Its hub's client connects anew in this child.
+        """
+        if self._local is None:
+            raise ServerBrokenError(
+                "this process was forked from a Ray process that had not called the policy: call it once "
+                "before forking, or spawn the process (a spawned one gets its node's hub client)"
+            )
+        return self._local[1]
 
     def _forget(self, policy: RemotePolicy) -> None:
         with self._lock:
