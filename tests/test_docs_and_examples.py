@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -99,6 +102,44 @@ def test_a_server_node_resolves_its_interpolations_in_its_recipe():
     server = build_server(recipe.server, policy)
     assert server.max_batch_size == 12 and server._intake.layout.specs[0].shape == (5,)
     server.close()
+
+
+_PENDULUM_POLICY = """
+import torch
+from tensordict.nn import TensorDictModule
+from torchrl_batchserve import BatchedPolicyServer
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+
+    def forward(self, th, thdot):
+        return self.lin(torch.stack([th, thdot], -1))
+
+policy = TensorDictModule(Net(), in_keys=["th", "thdot"], out_keys=["action"])
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("push", ["collector.update_policy_weights_()", "server.update_weights()"])
+def test_the_collector_loop_of_the_processes_page_runs_as_a_script_and_exits(tmp_path, push):
+    # As a script, its collector still referenced when the interpreter exits. There TorchRL 0.14.1's default
+    # weight-sync scheme, never used by a loop that pushes through the server, starts a thread from __del__ and
+    # the exit hangs. The page gives the collector the server's scheme.
+    block = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "processes.md").read_text(), flags=re.S)[0]
+    assert "collector.update_policy_weights_()" in block
+    main = (
+        block.replace("collector.update_policy_weights_()", push) + "print('served version', server.policy_version)\n"
+    )
+    script = tmp_path / "collect.py"
+    script.write_text(_PENDULUM_POLICY + "\nif __name__ == '__main__':\n" + textwrap.indent(main, "    "))
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the script did not exit within 90 s; its output: {err.stdout!r}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "served version 8" in done.stdout  # 2,048 frames in batches of 256, a push after each
 
 
 def test_collector_example_smoke(tmp_path):
