@@ -104,6 +104,20 @@ def test_a_server_node_resolves_its_interpolations_in_its_recipe():
     server.close()
 
 
+def test_the_migration_pages_side_by_side_loop_runs_on_both_servers():
+    import copy
+
+    from tensordict import TensorDict
+    from tensordict.nn import TensorDictModule
+
+    block = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "migration.md").read_text(), flags=re.S)[0]
+    policy = TensorDictModule(torch.nn.Linear(4, 2), in_keys=["observation"], out_keys=["logits"])
+    new_policy = copy.deepcopy(policy)
+    scope = {"policy": policy, "new_policy": new_policy, "obs": torch.randn(4), "TensorDict": TensorDict}
+    exec(compile(block, "migration.md", "exec"), scope)
+    assert scope["td"]["logits"].shape == (2,) and scope["server"].policy_version == 1
+
+
 _PENDULUM_POLICY = """
 import torch
 from tensordict.nn import TensorDictModule
