@@ -5,7 +5,7 @@ by one ``BatchedPolicyServer`` in this process, its request layout given by
 the env's ``observation_spec``. A ``MultiSyncCollector`` or
 ``MultiAsyncCollector`` steps its environments in spawned worker processes
 with the server's ``RemotePolicy`` as their policy, so the workers'
-observations share batched forwards (``collector=Collector``: one env, in
+observations share batched forwards (``collector_class=Collector``: one env, in
 this process). The collectors sample actions (``exploration_type`` RANDOM):
 each request carries that interaction type to the server.
 
@@ -21,7 +21,7 @@ scores about -0.7.
 It checks that every stored ``loc`` is what the trainer's policy, at the
 version stamped on that frame, computes for the stored observation.
 
-    python examples/collector_pendulum.py collector=MultiAsyncCollector workers=8
+    python examples/collector_pendulum.py collector_class=MultiAsyncCollector workers=8
 """
 
 from __future__ import annotations
@@ -84,14 +84,14 @@ def make_collector(cfg: DictConfig, policy: nn.Module, scheme: object) -> BaseCo
         "weight_sync_schemes": {"policy": scheme},
         "auto_register_policy_transforms": False,
     }
-    if cfg.collector == "Collector":
+    if cfg.collector_class == "Collector":
         return Collector(PendulumEnv, policy, **kw)
     kinds = {"MultiSyncCollector": MultiSyncCollector, "MultiAsyncCollector": MultiAsyncCollector}
-    if cfg.collector not in kinds:
+    if cfg.collector_class not in kinds:
         raise ValueError(
-            f"collector must be Collector, MultiSyncCollector or MultiAsyncCollector, got {cfg.collector!r}"
+            f"collector_class must be Collector, MultiSyncCollector or MultiAsyncCollector, got {cfg.collector_class!r}"
         )
-    return kinds[cfg.collector]([PendulumEnv] * cfg.workers, policy, **kw)
+    return kinds[cfg.collector_class]([PendulumEnv] * cfg.workers, policy, **kw)
 
 
 def imitation_steps(
@@ -120,7 +120,7 @@ def run(cfg: DictConfig) -> dict:
         frames, mismatches, rewards, seen = 0, 0, [], []
         states: TensorDictBase | None = None
         start = time.perf_counter()
-        bar = tqdm(total=cfg.total_frames, unit="frame", desc=cfg.collector, disable=not cfg.progress)
+        bar = tqdm(total=cfg.total_frames, unit="frame", desc=cfg.collector_class, disable=not cfg.progress)
         try:
             for batch in collector:
                 batch = batch.reshape(-1)
@@ -146,7 +146,7 @@ def run(cfg: DictConfig) -> dict:
         elapsed = time.perf_counter() - start
         stats = server.statistics()
     print(
-        f"{cfg.collector} with {cfg.workers if cfg.collector != 'Collector' else 1} worker process(es): "
+        f"{cfg.collector_class} with {cfg.workers if cfg.collector_class != 'Collector' else 1} worker process(es): "
         f"{frames} frames in {elapsed:.1f} s ({frames / elapsed:,.0f} frames/s), "
         f"mean batch {stats.mean_batch_size:.1f} rows; {mismatches} stored locs differ from the trainer's policy"
     )

@@ -43,6 +43,25 @@ def test_every_shipped_config_composes(name):
     assert OmegaConf.to_container(cfg, resolve=True)
 
 
+def _documented_command_lines() -> list[tuple[str, tuple[str, ...]]]:
+    """Every ``python examples/<name>.py key=value ...`` written in the examples, the docs and the README."""
+    sources = [*(ROOT / "examples").glob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
+    found = set()
+    for path in sources:
+        for name, args in re.findall(r"python examples/(\w+)\.py((?: +[\w.+~]+=[^\s`#]*)*)", path.read_text()):
+            found.add((name, tuple(args.split())))
+    assert len(found) >= 8, f"the pattern finds too few of the documented command lines: {sorted(found)}"
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name, overrides", _documented_command_lines())
+def test_every_documented_example_command_line_composes(name, overrides):
+    # As Hydra parses them from a command line: a key that is also a config group (TorchRL registers
+    # collector, env, policy, ...) is taken as a choice of that group, and fails.
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        assert compose(config_name=name, overrides=list(overrides)) is not None
+
+
 def test_padded_server_config_serves_variable_lengths():
     import torch
     from tensordict import TensorDict
