@@ -44,12 +44,16 @@ def test_every_shipped_config_composes(name):
 
 
 def _documented_command_lines() -> list[tuple[str, tuple[str, ...]]]:
-    """Every ``python examples/<name>.py key=value ...`` written in the examples, the docs and the README."""
+    """Every ``python examples/<name>.py key=value ...`` written in the examples, the docs and the README,
+    and the command-line overrides each shipped recipe's comment gives as an example."""
     sources = [*(ROOT / "examples").glob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
     found = set()
     for path in sources:
         for name, args in re.findall(r"python examples/(\w+)\.py((?: +[\w.+~]+=[^\s`#]*)*)", path.read_text()):
             found.add((name, tuple(args.split())))
+    for path in (ROOT / "conf").glob("*.yaml"):
+        for args in re.findall(r"# Override anything on the command line, e\.g\. `([^`]*)`", path.read_text()):
+            found.add((path.stem, tuple(args.split())))
     assert len(found) >= 8, f"the pattern finds too few of the documented command lines: {sorted(found)}"
     return sorted(found)
 
