@@ -17,9 +17,13 @@ from omegaconf import OmegaConf
 import torchrl_batchserve.config  # noqa: F401  (registers server/batchserve, which the shipped configs extend)
 
 
+def python_blocks(page: str) -> list[str]:
+    """The Python code blocks of ``page`` (a path under the repository's root), in order."""
+    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
+
+
 def test_readme_python_blocks_run():
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    blocks = python_blocks("README.md")
     assert blocks
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {"__name__": "readme"})
@@ -133,7 +137,7 @@ def test_the_migration_pages_side_by_side_loop_runs_on_both_servers():
     from tensordict import TensorDict
     from tensordict.nn import TensorDictModule
 
-    block = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "migration.md").read_text(), flags=re.S)[0]
+    block = python_blocks("docs/migration.md")[0]
     policy = TensorDictModule(torch.nn.Linear(4, 2), in_keys=["observation"], out_keys=["logits"])
     new_policy = copy.deepcopy(policy)
     scope = {"policy": policy, "new_policy": new_policy, "obs": torch.randn(4), "TensorDict": TensorDict}
@@ -164,7 +168,7 @@ def test_the_collector_loop_of_the_processes_page_runs_as_a_script_and_exits(tmp
     # As a script, its collector still referenced when the interpreter exits. There TorchRL 0.14.1's default
     # weight-sync scheme, never used by a loop that pushes through the server, starts a thread from __del__ and
     # the exit hangs. The page gives the collector the server's scheme.
-    block = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "processes.md").read_text(), flags=re.S)[0]
+    block = python_blocks("docs/processes.md")[0]
     assert "collector.update_policy_weights_()" in block
     main = (
         block.replace("collector.update_policy_weights_()", push) + "print('served version', server.policy_version)\n"
