@@ -9,6 +9,7 @@ gateway batch of ``--rows`` rows), it times encoding and decoding with
 medians of ``--repeats``.
 
     python benchmarks/pickling.py
+    python benchmarks/pickling.py --quick   # a smoke run, not a measurement
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ def per_call_us(fn: Callable[[], object], seconds: float = 0.2) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64, help="rows of a gateway batch")
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="one repeat of a few milliseconds each")
+    args = parser.parse_args(argv)
+    seconds, repeats = (0.005, 1) if args.quick else (0.2, args.repeats)
+    rows = []
     print("| payload | encode us: wire.dumps / pickle.dumps | decode us: wire / torch |")
     print("|---|---:|---:|")
     for name in ("vector", "pixels"):
@@ -46,16 +50,22 @@ def main() -> None:
         row = make(g)
         for label, td in ((f"{name}, one row", row), (f"{name}, {args.rows} rows", torch.stack([make(g)] * args.rows))):
             ours, theirs = dumps(td), pickle.dumps(td, pickle.HIGHEST_PROTOCOL)
+            if not (pickle.loads(ours) == td).all():
+                raise AssertionError(f"{label}: wire.dumps did not round-trip")
             times: dict[str, list[float]] = {k: [] for k in ("enc ours", "enc torch", "dec ours", "dec torch")}
-            for _ in range(args.repeats):
-                times["enc ours"].append(per_call_us(lambda: dumps(td)))  # noqa: B023
-                times["enc torch"].append(per_call_us(lambda: pickle.dumps(td, pickle.HIGHEST_PROTOCOL)))  # noqa: B023
-                times["dec ours"].append(per_call_us(lambda: pickle.loads(ours)))  # noqa: B023
-                times["dec torch"].append(per_call_us(lambda: pickle.loads(theirs)))  # noqa: B023
+            for _ in range(repeats):
+                times["enc ours"].append(per_call_us(lambda: dumps(td), seconds))  # noqa: B023
+                times["enc torch"].append(
+                    per_call_us(lambda: pickle.dumps(td, pickle.HIGHEST_PROTOCOL), seconds)  # noqa: B023
+                )
+                times["dec ours"].append(per_call_us(lambda: pickle.loads(ours), seconds))  # noqa: B023
+                times["dec torch"].append(per_call_us(lambda: pickle.loads(theirs), seconds))  # noqa: B023
             m = {k: statistics.median(v) for k, v in times.items()}
+            rows.append({"payload": label, **m})
             print(
                 f"| {label} | {m['enc ours']:.0f} / {m['enc torch']:.0f} | {m['dec ours']:.0f} / {m['dec torch']:.0f} |"
             )
+    return rows
 
 
 if __name__ == "__main__":

@@ -222,6 +222,12 @@ def test_a_benchmark_asked_for_a_cuda_device_without_one_says_so(capsys):
     assert "--device cuda: this torch build or machine has no CUDA device" in capsys.readouterr().err
 
 
+def test_pickling_benchmark_quick_smoke():
+    rows = load_script("benchmarks", "pickling").main(["--quick", "--rows", "4"])  # each payload round-trips
+    assert [r["payload"] for r in rows] == ["vector, one row", "vector, 4 rows", "pixels, one row", "pixels, 4 rows"]
+    assert all(r[k] > 0 for r in rows for k in ("enc ours", "enc torch", "dec ours", "dec torch"))
+
+
 def test_varlen_benchmark_quick_smoke(tmp_path):
     out = load_script("benchmarks", "varlen").main(["--quick", "--actors", "8", "--out", str(tmp_path)])
     assert (tmp_path / "benchmarks_varlen_quick.md").exists()
