@@ -722,20 +722,20 @@ def test_a_gateway_link_given_a_reply_to_no_batch_fails_every_batch_in_flight():
     import threading
     from multiprocessing.connection import Listener
 
-    from torchrl_batchserve.ray import _Link, _outcome, _recv, _send
+    from torchrl_batchserve.gateway import Link, outcome, recv, send
 
     listener = Listener(("127.0.0.1", 0), authkey=b"k" * 16)
     checked = threading.Event()
 
     def server_actor() -> None:  # reads two batches, answers a third that was never sent
         with listener.accept() as conn:
-            seqs = [_recv(conn)[0], _recv(conn)[0]]
-            _send(conn, (max(seqs) + 1, _outcome(None, TensorDict())))
+            seqs = [recv(conn)[0], recv(conn)[0]]
+            send(conn, (max(seqs) + 1, outcome(None, TensorDict())))
             checked.wait(30)  # the connection stays open: only the stray reply can end the link
 
     thread = threading.Thread(target=server_actor)
     thread.start()
-    link = _Link(listener.address, b"k" * 16)
+    link = Link(listener.address, b"k" * 16)
     futures = [link.submit(TensorDict(obs=torch.ones(4)), None) for _ in range(2)]
     try:
         for future in futures:
@@ -756,22 +756,22 @@ def test_a_gateway_link_fails_only_the_batch_whose_reply_it_cannot_read():
     from multiprocessing.connection import Listener
 
     from torchrl_batchserve.errors import BatchServeError
-    from torchrl_batchserve.ray import _Link, _outcome, _recv, _send
+    from torchrl_batchserve.gateway import Link, outcome, recv, send
 
     listener = Listener(("127.0.0.1", 0), authkey=b"k" * 16)
     act, checked = TensorDict(act=torch.ones(3)), threading.Event()
 
     def server_actor() -> None:
         with listener.accept() as conn:
-            first, second = _recv(conn)[0], _recv(conn)[0]
-            _send(conn, (first, b"not a pickle of this node's"))
-            _send(conn, (second, _outcome(None, act)))
-            _send(conn, (_recv(conn)[0], _outcome(None, act)))
+            first, second = recv(conn)[0], recv(conn)[0]
+            send(conn, (first, b"not a pickle of this node's"))
+            send(conn, (second, outcome(None, act)))
+            send(conn, (recv(conn)[0], outcome(None, act)))
             checked.wait(30)  # the connection stays open while the test looks at the link
 
     thread = threading.Thread(target=server_actor)
     thread.start()
-    link = _Link(listener.address, b"k" * 16)
+    link = Link(listener.address, b"k" * 16)
     try:
         unreadable, fine = (link.submit(TensorDict(obs=torch.ones(4)), None) for _ in range(2))
         with pytest.raises(BatchServeError, match="the server's reply cannot be read on this node"):
@@ -793,22 +793,20 @@ def test_a_server_actor_fails_only_the_gateway_batch_it_cannot_read():
     from multiprocessing.connection import Client, Listener
 
     from torchrl_batchserve import BadRequestError, BatchedPolicyServer
-    from torchrl_batchserve.ray import _recv, _send, _ServerActor
+    from torchrl_batchserve.gateway import recv, send, serve_link
     from torchrl_batchserve.transport.wire import dumps
 
     listener = Listener(("127.0.0.1", 0), authkey=b"k" * 16)
-    actor = object.__new__(_ServerActor)  # the link's end alone, without Ray
-    with BatchedPolicyServer(factory(), max_batch_size=8) as server:
-        actor._server, actor._returned = server, ["act", "policy_version"]
-        thread = threading.Thread(target=lambda: actor._serve_link(listener.accept()))
+    with BatchedPolicyServer(factory(), max_batch_size=8) as server:  # the server actor's end alone, without Ray
+        thread = threading.Thread(target=lambda: serve_link(server, listener.accept(), ["act", "policy_version"]))
         thread.start()
         with Client(listener.address, authkey=b"k" * 16) as gateway:
             x = torch.stack([observation(0, i) for i in range(2)])
-            _send(gateway, (1, None, b"not a pickle of this process's"))
-            _send(gateway, (2, None, dumps(TensorDict(obs=x, batch_size=[2]))))
-            replies = dict(_recv(gateway) for _ in range(2))
-            _send(gateway, (3, None, dumps(TensorDict(obs=x, batch_size=[2]))))  # the link still serves
-            replies.update([_recv(gateway)])
+            send(gateway, (1, None, b"not a pickle of this process's"))
+            send(gateway, (2, None, dumps(TensorDict(obs=x, batch_size=[2]))))
+            replies = dict(recv(gateway) for _ in range(2))
+            send(gateway, (3, None, dumps(TensorDict(obs=x, batch_size=[2]))))  # the link still serves
+            replies.update([recv(gateway)])
         thread.join(30)
     listener.close()
     error, outputs = pickle.loads(replies[1])
