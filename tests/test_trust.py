@@ -22,8 +22,8 @@ from torchrl_batchserve import (
     ServerBrokenError,
     WeightSyncError,
 )
+from torchrl_batchserve.gate import GATE
 from torchrl_batchserve.intake import CURRENT
-from torchrl_batchserve.serve import GATE
 
 RANDOM = InteractionType.RANDOM
 

@@ -20,10 +20,10 @@ from tensordict.nn import InteractionType
 
 from torchrl_batchserve.cache import HIT, JOINED, EvaluationCache
 from torchrl_batchserve.errors import BadRequestError
+from torchrl_batchserve.gate import GATE
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.request import Request, fail_all
-from torchrl_batchserve.serve import GATE
 from torchrl_batchserve.stats import StatisticsRecorder
 from torchrl_batchserve.weights import ShadowWeights
 

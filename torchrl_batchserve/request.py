@@ -112,7 +112,7 @@ class Request:
         self.device = device
         self.cost = cost
         self.layout = layout
-        self.nested = False  # made inside a running forward of this process (serve.InteractionGate.inside)
+        self.nested = False  # made inside a running forward of this process (gate.InteractionGate.inside)
         self.extra: Any = None
         self.cache_keys: list[Any] | None = None
         self.enqueued_at = time.monotonic()

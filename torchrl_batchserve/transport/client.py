@@ -35,10 +35,10 @@ from typing import Any
 from tensordict import TensorDictBase
 
 from torchrl_batchserve.errors import BatchServeError, ServerBrokenError, ServerClosedError
+from torchrl_batchserve.gate import GATE
 from torchrl_batchserve.intake import CURRENT
 from torchrl_batchserve.layout import request_entries
 from torchrl_batchserve.request import write_outputs
-from torchrl_batchserve.serve import GATE
 from torchrl_batchserve.transport.hub import ADMITTED, HANDSHAKE_TIMEOUT, REFUSED_BROKEN
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Lane, Slot, on_host
 from torchrl_batchserve.transport.wire import Wire, dumps
@@ -421,7 +421,7 @@ def _mode(interaction: Any) -> Any:
     """The interaction type a request runs under: ``interaction``, or the caller's for ``CURRENT``.
 
     The caller's: the one in effect, unless a forward of a server of this process replaced it meanwhile
-    (:meth:`~torchrl_batchserve.serve.InteractionGate.callers_mode`).
+    (:meth:`~torchrl_batchserve.gate.InteractionGate.callers_mode`).
     """
     return GATE.callers_mode() if interaction is CURRENT else interaction
 
