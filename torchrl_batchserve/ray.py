@@ -18,11 +18,12 @@ runs a ``BatchedPolicyServer`` of its own, whose "policy" sends each of its
 batches over one TCP connection to the server actor, where it is served as
 one request of its rows (or, for a server whose collate varies feature dims,
 as the requests it holds); the rows' outputs and version stamps come back the
-same way (:mod:`torchrl_batchserve.gateway`). No request pays a Ray call or a round trip of
-its own: a node's actors reach their gateway through shared memory, and a
-gateway batch costs one round trip however many rows it carries
-(``gateway_depth`` batches of a gateway are in flight at once). Ray carries
-the control plane only: placement, finding the server, weights, statistics.
+same way (:mod:`torchrl_batchserve.gateway`). No request pays a Ray call or
+a round trip of its own: a node's actors reach their gateway through shared
+memory, and a gateway batch costs one round trip however many rows it
+carries (``gateway_depth`` batches of a gateway are in flight at once). Ray
+carries the control plane only: placement, finding the server, weights,
+statistics.
 
 Weights travel through Ray's object store: :meth:`RayServer.update_weights`
 (one server) and :func:`push_weights` (several) check the push against each
@@ -62,11 +63,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tensordict import TensorDict, TensorDictBase
 
-from torchrl_batchserve.errors import (
-    ServerBrokenError,
-    ServerClosedError,
-    WeightSyncError,
-)
+from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError
 from torchrl_batchserve.gateway import Gateway, Unstacked, serve_link
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
