@@ -44,7 +44,9 @@ class ServerStatistics:
     each kind), or with ``server.statistics(since=earlier)`` those recorded
     after ``earlier`` was taken, whose counters are then differences too (a
     training loop's last iteration, warm-up left out), and ``uptime`` the
-    seconds since then (``requests / uptime`` is the rate over that span).
+    seconds since then (``requests / uptime`` is the rate over that span; with
+    a cache, of the requests computed: hits answered at submit are
+    ``cache_hits``).
     ``uptime`` stops when the server has closed. ``as_dict()`` is flat,
     for loggers (:func:`log_statistics`); ``dataclasses.asdict`` works too.
 
