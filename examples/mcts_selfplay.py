@@ -32,12 +32,14 @@ import copy
 import json
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import random
 import threading
 import time
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -409,6 +411,7 @@ class ProcessSearchers:
     With a server, each worker holds a pickled copy of its ``RemotePolicy``
     (its own client of the server, shared by the searcher threads of its
     tree); without one, each holds a model copy whose weights come with the jobs.
+    A worker exits with the run, however the run ends (a SIGKILL included).
     """
 
     def __init__(self, cfg: DictConfig, remote: Any) -> None:
@@ -446,6 +449,7 @@ class ProcessSearchers:
 
 
 def _searcher_process(config: dict, remote: Any, jobs: Any, results: Any) -> None:
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
     torch.set_num_threads(1)
     cfg = OmegaConf.create(config)
     env = make_env(cfg.game)
@@ -462,6 +466,13 @@ def _searcher_process(config: dict, remote: Any, jobs: Any, results: Any) -> Non
             except Exception as err:
                 result = err
             results.put((i, pickle.dumps(result), counter.value))
+
+
+def _exit_with_parent() -> None:
+    # A run killed by a signal it cannot handle (SIGTERM, SIGKILL) never sends the searchers their None:
+    # they would wait for jobs forever. Its sentinel becomes ready when it is gone.
+    wait([mp.parent_process().sentinel])  # type: ignore[union-attr]
+    os._exit(1)
 
 
 # -- training and the whole run ----------------------------------------------------------------

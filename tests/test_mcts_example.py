@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import select
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -96,3 +100,33 @@ def test_selfplay_smoke(tmp_path, overrides):
         # games of round r were evaluated by version r: pushed weights reached the searchers
         assert result["game_versions"] == [[0]] * 4 + [[1]] * 4
         assert result["policy_version"] == 2 and result["cache_misses"] > 0
+
+
+def test_searcher_processes_exit_when_their_run_is_killed(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import multiprocessing as mp, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "from omegaconf import OmegaConf\n"
+        "import mcts_selfplay\n"
+        "if __name__ == '__main__':\n"
+        "    cfg = OmegaConf.create({'games_at_once': 2, 'seed': 0, 'game': 'tictactoe'})\n"
+        "    pool = mcts_selfplay.ProcessSearchers(cfg, None)\n"
+        "    print(*[p.pid for p in mp.active_children()], flush=True)\n"
+        "    sys.stdin.read()  # until killed\n"
+    )
+    run = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    exits = []
+    try:
+        exits = [os.pidfd_open(int(pid)) for pid in run.stdout.readline().split()]  # readable once it exits
+        assert len(exits) == 2
+        os.kill(run.pid, signal.SIGKILL)  # no chance to tell the searchers
+        run.wait(30)
+        for fd in exits:
+            assert select.select([fd], [], [], 60)[0], "a searcher process outlived its run"
+    finally:
+        run.kill()
+        for fd in exits:
+            if not select.select([fd], [], [], 0)[0]:  # still running: leave nothing behind
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            os.close(fd)
