@@ -15,6 +15,7 @@ medians of ``--repeats``.
 from __future__ import annotations
 
 import argparse
+import functools
 import pickle
 import statistics
 import time
@@ -52,14 +53,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ours, theirs = dumps(td), pickle.dumps(td, pickle.HIGHEST_PROTOCOL)
             if not (pickle.loads(ours) == td).all():
                 raise AssertionError(f"{label}: wire.dumps did not round-trip")
-            times: dict[str, list[float]] = {k: [] for k in ("enc ours", "enc torch", "dec ours", "dec torch")}
-            for _ in range(repeats):
-                times["enc ours"].append(per_call_us(lambda: dumps(td), seconds))  # noqa: B023
-                times["enc torch"].append(
-                    per_call_us(lambda: pickle.dumps(td, pickle.HIGHEST_PROTOCOL), seconds)  # noqa: B023
-                )
-                times["dec ours"].append(per_call_us(lambda: pickle.loads(ours), seconds))  # noqa: B023
-                times["dec torch"].append(per_call_us(lambda: pickle.loads(theirs), seconds))  # noqa: B023
+            calls = {
+                "enc ours": functools.partial(dumps, td),
+                "enc torch": functools.partial(pickle.dumps, td, pickle.HIGHEST_PROTOCOL),
+                "dec ours": functools.partial(pickle.loads, ours),
+                "dec torch": functools.partial(pickle.loads, theirs),
+            }
+            times: dict[str, list[float]] = {k: [] for k in calls}
+            for _ in range(repeats):  # the four take turns
+                for k, call in calls.items():
+                    times[k].append(per_call_us(call, seconds))
             m = {k: statistics.median(v) for k, v in times.items()}
             rows.append({"payload": label, **m})
             print(

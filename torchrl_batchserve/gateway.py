@@ -181,7 +181,7 @@ class Link:
                 future.set_exception(self.broken)
 
 
-def serve_link(server: Any, conn: Connection, returned: list) -> None:
+def serve_link(server: BatchedPolicyServer, conn: Connection, returned: list) -> None:
     """Serve one gateway's batches on ``server``, each as one request of its rows, until ``conn`` ends.
 
     Runs in the server actor, one thread per gateway; ``returned``: the keys a
