@@ -87,6 +87,25 @@ def test_1000_asyncio_tasks_batch_together(policy, net):
     assert stats.mean_batch_size > 8  # one event loop: thousands of tasks share batches
 
 
+def test_an_idle_server_keeps_no_result_of_finished_asyncio_tasks_alive(policy):
+    # The queue remembers the callers it served until a batch fires on its timeout (60 s: never here, every
+    # batch of one row is full). Remembered as tasks, the finished tasks would hold their results.
+    import gc
+    import weakref
+
+    async def burst(remote) -> list:
+        tds = [obs() for _ in range(32)]
+        await asyncio.gather(*(remote.acall(td) for td in tds))
+        return [weakref.ref(td) for td in tds]
+
+    with BatchedPolicyServer(policy, max_batch_size=1, timeout=60.0) as server:
+        refs = asyncio.run(burst(server.remote_policy()))
+        gc.collect()
+        alive = sum(ref() is not None for ref in refs)
+        assert server.statistics().fired == {"full": 32}
+    assert alive == 0, f"{alive} of 32 results outlived their callers, held by the idle server"
+
+
 def test_threads_and_tasks_share_one_server(policy, net):
     with BatchedPolicyServer(policy, max_batch_size=16, timeout=0.05) as server:
         remote = server.remote_policy()

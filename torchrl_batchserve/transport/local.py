@@ -134,6 +134,9 @@ class LocalEndpoint:
         if not self._here():
             return await self._other_process().acall(td)
         loop = asyncio.get_running_loop()
-        request: AsyncRequest = self._intake.request(AsyncRequest, td, asyncio.current_task(), loop=loop)
+        # The task's id, not the task: the queue remembers the callers it served until a batch fires on its
+        # timeout, and a finished task holds its result (the caller's TensorDict) for as long as it is held.
+        caller = id(asyncio.current_task())
+        request: AsyncRequest = self._intake.request(AsyncRequest, td, caller, loop=loop)
         self._intake.put(request)
         return await request.future
