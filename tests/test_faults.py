@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+import traceback
 import weakref
 
 import pytest
@@ -81,6 +82,77 @@ def test_a_policy_returning_wrong_rows_fails_every_path_with_policy_error():
             server.remote_policy()(obs())
         with pytest.raises(PolicyError, match="out_key 'logits'"):
             client_of(server)(obs())
+
+
+class FailsOnSeveralRows(torch.nn.Module):
+    def forward(self, x):
+        if x.shape[0] > 1:
+            raise ValueError("boom")
+        return x[:, :3]
+
+
+def _frames(error: BaseException) -> list[str]:
+    return [frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)]
+
+
+def test_each_caller_of_a_failed_batch_gets_its_own_exception_with_only_its_own_frames():
+    # One instance raised by every caller would gather each raise's frames in its traceback: the second
+    # caller's would show the first caller's call too, and keep its frames alive.
+    policy = GatedPolicy(FailsOnSeveralRows())
+
+    def result_of(future):
+        return future.result(10)
+
+    with BatchedPolicyServer(policy, max_batch_size=4, timeout=60.0) as server:
+        first = server.submit(obs())
+        assert policy.entered.wait(10)
+        futures = [server.submit(obs()) for _ in range(4)]  # queued behind the held batch: one batch of 4
+        policy.gate.set()
+        first.result(10)
+        errors = []
+        for future in futures:
+            with pytest.raises(ValueError, match="boom") as caught:
+                result_of(future)
+            errors.append(caught.value)
+    assert policy.batches == [1, 4]
+    assert len({id(e) for e in errors}) == 4
+    for error in errors:
+        frames = _frames(error)
+        assert frames.count("result_of") == 1, frames  # its own call, nobody else's
+        assert frames[-1] == "forward" and "_run" in frames  # and the server's frames down to the policy's raise
+
+
+def test_each_thread_of_a_worker_waiting_when_the_server_closes_gets_its_own_exception():
+    policy = GatedPolicy(make_mlp(), block_first=100)
+    policy.gate.set()
+    server = BatchedPolicyServer(policy, max_batch_size=8, timeout=60.0)
+    errors: dict[int, BaseException] = {}
+
+    def call_in_thread(i: int) -> None:
+        try:
+            client(obs())
+        except BaseException as err:
+            errors[i] = err
+
+    try:
+        client = client_of(server)
+        client(obs())  # connected
+        hub = server._endpoint.lazy_hub.hub
+        before = sum(hub.arrived.values())
+        policy.gate.clear()
+        threads = [threading.Thread(target=call_in_thread, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: sum(hub.arrived.values()) - before == 3, "the three requests at the hub")
+        server.close(wait=False)  # the hub tells the client, whose three callers are still waiting
+        for thread in threads:
+            thread.join(30)
+    finally:
+        policy.gate.set()
+        server.close(timeout=10)
+    assert sorted(errors) == [0, 1, 2] and all(isinstance(e, ServerClosedError) for e in errors.values()), errors
+    assert len({id(e) for e in errors.values()}) == 3
+    assert all(_frames(e).count("call_in_thread") == 1 for e in errors.values())
 
 
 def test_cancelling_a_coalesced_request_leaves_the_serve_loop_serving():

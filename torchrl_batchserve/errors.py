@@ -14,7 +14,8 @@ say what they handle::
     └── WeightSyncError        a weight update was rejected; the old weights stay
 
 A policy that raises during a batch is not wrapped: every caller of that batch
-gets the policy's own exception, as from ``policy(batch)``. Every path
+gets the policy's own exception, as from ``policy(batch)``, each a copy of its
+own (:func:`own_copy`). Every path
 (thread, asyncio task, worker process) raises the same class for the same
 failure: an error crosses to a worker process as it is, or, if it does not
 pickle, as a ``RuntimeError`` naming it (:func:`portable`).
@@ -22,6 +23,7 @@ pickle, as a ``RuntimeError`` naming it (:func:`portable`).
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "ServerBrokenError",
     "ServerClosedError",
     "WeightSyncError",
+    "own_copy",
     "portable",
 ]
 
@@ -81,3 +84,23 @@ def portable(error: BaseException) -> BaseException:
         return error
     except Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def own_copy(error: BaseException) -> BaseException:
+    """A copy of ``error`` for one more caller, with the traceback, cause and context it has now.
+
+    Each ``raise`` of an exception adds the raising frames to its traceback:
+    one instance raised by every caller of a failed batch would show each
+    caller the other callers' frames, and keep their frames (and what they
+    hold) alive. An exception that cannot be rebuilt from its ``args`` is
+    shared as it is.
+    """
+    try:
+        copied = copy.copy(error)
+    except Exception:
+        return error
+    if type(copied) is not type(error):
+        return error
+    copied.__cause__, copied.__context__ = error.__cause__, error.__context__
+    copied.__suppress_context__ = error.__suppress_context__
+    return copied.with_traceback(error.__traceback__)

@@ -34,7 +34,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from torchrl_batchserve.errors import ServerBrokenError
+from torchrl_batchserve.errors import ServerBrokenError, own_copy
 
 __all__ = [
     "AsyncRequest",
@@ -383,12 +383,13 @@ def resolve(
 
 
 def fail_all(requests: Sequence[Request], error: BaseException) -> None:
-    """Complete every request not yet completed with ``error``."""
+    """Complete every request not yet completed with ``error``, each with a copy of its own (``errors.own_copy``)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
-    for request in requests:
+    for i, request in enumerate(requests):
+        own = own_copy(error) if i else error
         if request.loop is None:
-            request.fail(error)
-        elif request._store((), (), error):
+            request.fail(own)
+        elif request._store((), (), own):
             by_loop.setdefault(request.loop, []).append(request)
     for loop, group in by_loop.items():
         _call_in_loop(loop, _settle, group)

@@ -34,7 +34,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from torchrl_batchserve.errors import BatchServeError, ServerBrokenError, ServerClosedError
+from torchrl_batchserve.errors import BatchServeError, ServerBrokenError, ServerClosedError, own_copy
 from torchrl_batchserve.gate import GATE
 from torchrl_batchserve.intake import CURRENT
 from torchrl_batchserve.layout import request_entries
@@ -241,7 +241,7 @@ class ProcessClient:
                 if seq in self._replies:
                     return self._replies.pop(seq)
                 if self._failure is not None:
-                    raise self._failure
+                    raise own_copy(self._failure)
                 if not self._reading:
                     self._reading = True
                     break
@@ -250,7 +250,7 @@ class ProcessClient:
         with self._cond:
             if seq in self._replies:
                 return self._replies.pop(seq)
-            raise self._failure  # type: ignore[misc]
+            raise own_copy(self._failure)  # type: ignore[arg-type]
 
     def _start_reader(self, conn: Wire) -> None:
         """Read for the callers that do not block, from a pool thread (the caller holds the lock; nobody reads)."""
@@ -321,7 +321,7 @@ class ProcessClient:
         self._closed, self._failure = True, failure
         for seq, (_, _, _, waiter) in list(self._waiting.items()):
             if waiter is not None:
-                self._settled.append((waiter, (failure, None, None)))
+                self._settled.append((waiter, (own_copy(failure), None, None)))
                 del self._waiting[seq]
         self._cond.notify_all()
 
