@@ -737,12 +737,18 @@ def test_a_gateway_link_given_a_reply_to_no_batch_fails_every_batch_in_flight():
     thread.start()
     link = Link(listener.address, b"k" * 16)
     futures = [link.submit(TensorDict(obs=torch.ones(4)), None) for _ in range(2)]
+    errors = []
     try:
         for future in futures:
-            with pytest.raises(ServerBrokenError, match="the link to the server actor ended"):
+            with pytest.raises(ServerBrokenError, match="the link to the server actor ended") as caught:
                 future.result(10)
-        with pytest.raises(ServerBrokenError, match="the link to the server actor ended"):
-            link.submit(TensorDict(obs=torch.ones(4)), None)
+            errors.append(caught.value)
+        for _ in range(2):
+            with pytest.raises(ServerBrokenError, match="the link to the server actor ended") as caught:
+                link.submit(TensorDict(obs=torch.ones(4)), None)
+            errors.append(caught.value)
+        # each its own: one instance raised for every later batch would gather every raise's frames
+        assert len({id(error) for error in errors}) == 4
     finally:
         checked.set()
         thread.join(30)

@@ -33,7 +33,14 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.nn.probabilistic import InteractionType, interaction_type
 
-from torchrl_batchserve.errors import BadRequestError, BatchServeError, PolicyError, ServerBrokenError, portable
+from torchrl_batchserve.errors import (
+    BadRequestError,
+    BatchServeError,
+    PolicyError,
+    ServerBrokenError,
+    own_copy,
+    portable,
+)
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics
@@ -147,7 +154,7 @@ class Link:
         body = dumps(batch)  # before the lock, which the gateway's other serve loops and the reader take
         with self._lock:
             if self.broken is not None:
-                raise self.broken
+                raise own_copy(self.broken)
             self._seq += 1
             self._waiting[self._seq] = future
             try:
@@ -178,7 +185,7 @@ class Link:
                 self.broken = ServerBrokenError(f"the link to the server actor ended ({err!r})")
                 waiting, self._waiting = list(self._waiting.values()), {}
             for future in waiting:  # nobody would read their replies
-                future.set_exception(self.broken)
+                future.set_exception(own_copy(self.broken))
 
 
 def serve_link(server: BatchedPolicyServer, conn: Connection, returned: list) -> None:

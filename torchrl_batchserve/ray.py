@@ -63,7 +63,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tensordict import TensorDict, TensorDictBase
 
-from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError
+from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError, own_copy
 from torchrl_batchserve.gateway import Gateway, Unstacked, serve_link
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
@@ -431,7 +431,7 @@ class _ServerActor:
 
     def describe(self) -> dict[str, Any]:
         if self._failure is not None:
-            raise self._failure
+            raise own_copy(self._failure)
         layout = TensorDict.from_module(self._server.policy).apply(lambda t: torch.empty_like(t, device="meta"))
         optional = self._server._weights.optional
         return {
