@@ -203,6 +203,13 @@ def test_pad_constructor_errors_name_the_argument():
         PadCollate(["x"], buckets=[0, 4])
     with pytest.raises(ValueError, match=r"pad_values names \['y'\]"):
         PadCollate(["x"], pad_values={"y": 1})
+    # what is no key is named as such, not left to a TypeError from deep inside tensordict (or dropped)
+    with pytest.raises(TypeError, match=r"keys: expected a key \(a str or a tuple of str\), got \('x', 1\)"):
+        PadCollate([("x", 1)])
+    with pytest.raises(TypeError, match="mask_key: expected a key .*, got 3"):
+        PadCollate(["x"], mask_key=3)
+    with pytest.raises(TypeError, match="LengthCost key: expected a key .*, got 5"):
+        LengthCost(5)
     policy = TensorDictModule(lambda obs: obs, in_keys=["obs"], out_keys=["out"])
     with pytest.raises(ValueError, match=r"varies \['tokens'\]; the policy reads \['obs'\]"):
         BatchedPolicyServer(policy, collate=PadCollate(["tokens"], mask_key=None))

@@ -982,6 +982,8 @@ def test_statistics_since_an_earlier_snapshot_cover_only_what_came_after(policy)
     assert window.forward_p99 > 0
     assert 0 < window.uptime < total.uptime - start.uptime + 1e-6  # the span since start: requests / uptime is a rate
     assert server.statistics().uptime == server.statistics().uptime >= total.uptime  # it stopped at close
+    with pytest.raises(TypeError, match="since must be a ServerStatistics .*, got int"):
+        server.statistics(since=5)
 
 
 def test_statistics_flatten_for_loggers_and_convert_with_asdict(policy):

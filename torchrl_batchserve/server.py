@@ -533,6 +533,8 @@ class BatchedPolicyServer(TensorDictModule):
         after it: counters are differences and percentiles cover the newer
         samples only, e.g. one training iteration with warm-up left out.
         """
+        if since is not None and not isinstance(since, ServerStatistics):
+            raise TypeError(f"since must be a ServerStatistics (an earlier statistics()), got {type(since).__name__}")
         replicas = tuple(ReplicaStatistics(str(r.device), r.batches, r.rows, r.version) for r in self._replicas)
         return self._stats.snapshot(self._weights.latest_version, self.cache, replicas, since)
 
