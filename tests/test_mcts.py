@@ -422,6 +422,10 @@ def test_bad_arguments_and_outputs_are_refused_by_name():
         TreeSearch(env, make_policy(), c_puct=math.inf)
     with pytest.raises(ValueError, match=r"dirichlet_alpha must be a finite number > 0 \(got 0\)"):
         TreeSearch(env, make_policy(), dirichlet_alpha=0)  # no Dirichlet noise has it
+    with pytest.raises(ValueError, match=r"dirichlet_eps must be a finite number >= 0 \(got '0.25'\)"):
+        TreeSearch(env, make_policy(), dirichlet_eps="0.25")
+    with pytest.raises(TypeError, match="policy must be callable as policy\\(td\\) .*, got str"):
+        TreeSearch(env, "policy")  # (a config's node left uninstantiated): it failed at the first leaf
     search = TreeSearch(env, make_policy())
     with pytest.raises(ValueError, match=r"simulations must be an int >= 1 \(got 0\)"):
         search.run(search.tree(env.reset()), 0)

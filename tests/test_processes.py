@@ -707,6 +707,24 @@ def test_scheme_arguments_and_clean_import():
         BatchServeWeightSyncScheme()
     with pytest.raises(ValueError, match="give either server="):
         BatchServeWeightSyncScheme(object(), address="127.0.0.1", port=1, world_size=2)
+    from torchrl_batchserve import WeightBroadcaster
+
+    # checked before anything binds or connects (torch's TCPStore named none of them, or waited on a bad one)
+    for kwargs, message in (
+        ({"world_size": "2"}, r"world_size must be an int >= 2: .* \(got '2'\)"),
+        ({"port": "29500"}, r"port must be an int in 1..65535 \(got '29500'\)"),
+        ({"address": None}, r"address must be a host name or an IP address \(got None\)"),
+        ({"timeout": -1}, r"timeout must be a finite number of seconds > 0 \(got -1\)"),
+    ):
+        args = {"address": "127.0.0.1", "port": 1, "world_size": 2, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            WeightBroadcaster(args["address"], args["port"], args["world_size"], timeout=args.get("timeout", 60.0))
+    policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        with pytest.raises(ValueError, match=r"a server's rank must be an int in 1..1 \(got 0\)"):
+            server.receive_weights("127.0.0.1", 1, 0, 2)
+        with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds > 0 \(got nan\)"):
+            server.receive_weights("127.0.0.1", 1, 1, 2, timeout=float("nan"))
     code = "import warnings; warnings.simplefilter('error'); import torchrl_batchserve"
     subprocess.run([sys.executable, "-c", code], check=True)  # no DeprecationWarning from WeightUpdaterBase
 

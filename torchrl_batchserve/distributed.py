@@ -37,6 +37,7 @@ and the next push is received.
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import threading
 from datetime import timedelta
@@ -55,11 +56,27 @@ _log = logging.getLogger(__name__)
 _PUSH, _STOP = 1, 2  # header kinds
 
 
+def _check_group(address: Any, port: Any, world_size: Any, timeout: Any) -> None:
+    """Raise a ``ValueError`` naming the first argument of a weight group that cannot be."""
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"address must be a host name or an IP address (got {address!r})")
+    if not _is_int(port) or not 0 < port < 65536:
+        raise ValueError(f"port must be an int in 1..65535 (got {port!r})")
+    if not _is_int(world_size) or world_size < 2:
+        raise ValueError(f"world_size must be an int >= 2: the trainer and at least one server (got {world_size!r})")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a finite number of seconds > 0 (got {timeout!r})")
+
+
 def _group(address: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[Any, Any]:
     td = timedelta(seconds=timeout)
     store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=td, wait_for_workers=False)
     group = dist.ProcessGroupGloo(dist.PrefixStore("torchrl_batchserve/weights", store), rank, world_size, td)
     return store, group
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _wait(work: Any) -> None:
@@ -105,8 +122,7 @@ class WeightBroadcaster:
     """
 
     def __init__(self, address: str, port: int, world_size: int, *, timeout: float = 60.0) -> None:
-        if world_size < 2:
-            raise ValueError(f"world_size must be >= 2: the trainer and at least one server (got {world_size})")
+        _check_group(address, port, world_size, timeout)
         self.address, self.port, self.world_size, self.timeout = address, port, world_size, timeout
         self._store, self._group = _group(address, port, 0, world_size, timeout)
         self._lock = threading.Lock()
@@ -180,8 +196,9 @@ class WeightReceiver:
         *,
         timeout: float = 60.0,
     ) -> None:
-        if not 1 <= rank < world_size:
-            raise ValueError(f"a server's rank must be in 1..{world_size - 1} (got {rank})")
+        _check_group(address, port, world_size, timeout)
+        if not _is_int(rank) or not 1 <= rank < world_size:
+            raise ValueError(f"a server's rank must be an int in 1..{world_size - 1} (got {rank!r})")
         self._shadow = shadow
         self.rank, self.timeout = rank, timeout
         self._store, self._group = _group(address, port, rank, world_size, timeout)

@@ -201,8 +201,11 @@ class TreeSearch:
         _check_finite("virtual_loss", virtual_loss)
         _check_finite("c_puct", c_puct)
         _check_finite("dirichlet_alpha", dirichlet_alpha, positive=True)
-        if not 0 <= dirichlet_eps <= 1:
+        _check_finite("dirichlet_eps", dirichlet_eps)
+        if dirichlet_eps > 1:
             raise ValueError(f"dirichlet_eps must be in [0, 1] (got {dirichlet_eps!r})")
+        if not callable(policy):
+            raise TypeError(f"policy must be callable as policy(td) (e.g. a RemotePolicy), got {type(policy).__name__}")
         self.env = env
         self.policy = policy
         self.searchers = searchers
