@@ -210,6 +210,9 @@ def test_pad_constructor_errors_name_the_argument():
         PadCollate(["x"], mask_key=3)
     with pytest.raises(TypeError, match="LengthCost key: expected a key .*, got 5"):
         LengthCost(5)
+    # a class passes the protocol's isinstance check (its methods, unbound) and failed at the first batch
+    with pytest.raises(TypeError, match=r"got the class PadCollate: pass an instance, e.g. PadCollate\(...\)"):
+        BatchedPolicyServer(TensorDictModule(lambda obs: obs, in_keys=["obs"], out_keys=["out"]), collate=PadCollate)
     policy = TensorDictModule(lambda obs: obs, in_keys=["obs"], out_keys=["out"])
     with pytest.raises(ValueError, match=r"varies \['tokens'\]; the policy reads \['obs'\]"):
         BatchedPolicyServer(policy, collate=PadCollate(["tokens"], mask_key=None))

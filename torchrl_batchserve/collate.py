@@ -245,6 +245,11 @@ def as_collate(collate: Any) -> Any:
     """Return ``collate`` as a collate object (``None`` gives :class:`StackCollate`)."""
     if collate is None:
         return StackCollate()
+    if isinstance(collate, type):  # a class has the protocol's methods too, unbound
+        raise TypeError(
+            f"collate must be a collate object or a collate_fn, got the class {collate.__name__}: "
+            f"pass an instance, e.g. {collate.__name__}(...)"
+        )
     if isinstance(collate, Collate):
         return collate
     if callable(collate):
