@@ -27,6 +27,7 @@ from tensordict.nn.probabilistic import interaction_type
 from torchrl_batchserve import (
     BadRequestError,
     BatchedPolicyServer,
+    LengthCost,
     PolicyError,
     QueueFullError,
     RemotePolicy,
@@ -592,6 +593,7 @@ def test_queue_full_is_refused_at_once():
         ({"device": ["cpu", "meta"]}, r"device\[1\]='meta': the meta device holds no values to serve"),
         ({"output_device": "meta"}, r"output_device='meta': the meta device holds no values to serve"),
         ({"cost_fn": 3, "max_batch_cost": 4}, r"cost_fn must be callable as cost_fn\(td\) -> int \(got 3\)"),
+        ({"cost_fn": LengthCost, "max_batch_cost": 4}, r"cost_fn must be callable .* \(got <class .*LengthCost'>\)"),
         ({"in_keys": ["x"]}, "in_keys/out_keys are taken from a TensorDictModuleBase policy; do not pass them"),
         ({"collate": 3}, "collate must be a Collate"),
         (

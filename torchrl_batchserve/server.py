@@ -268,7 +268,7 @@ class BatchedPolicyServer(TensorDictModule):
             )
         if max_batch_cost is not None:
             _check_int("max_batch_cost", max_batch_cost, 1)
-            if not callable(cost_fn):
+            if not callable(cost_fn) or isinstance(cost_fn, type):  # a class would make an object, not a cost
                 raise ValueError(f"cost_fn must be callable as cost_fn(td) -> int (got {cost_fn!r})")
         if policy_version_key is not None:
             try:
