@@ -140,7 +140,7 @@ class EvaluationCache:
     def __init__(self, capacity: int = 100_000, key_fn: Callable[[TensorDictBase], Hashable] | None = None) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1 (got {capacity!r})")
-        if key_fn is not None and (not callable(key_fn) or isinstance(key_fn, type)):
+        if key_fn is not None and not callable(key_fn):
             raise ValueError(f"key_fn must be callable as key_fn(td) -> hashable (got {key_fn!r})")
         self.capacity = capacity
         self.key_fn = key_fn
