@@ -19,6 +19,7 @@ with the served parameters, the batch's inputs or a buffer the policy keeps
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -254,14 +255,18 @@ class Serving:
         """Run, in the calling thread, the batch the queue handed a lone blocking caller.
 
         The caller's own request is in it, so the caller learns every outcome
-        from that request. An interruption (``KeyboardInterrupt``) fails that
-        batch only and reaches the caller; the server serves on.
+        from that request. It runs as in a serve thread: no grad, no inference
+        mode, no autocast, whatever the caller's thread has on (the same
+        request must give the same result, and the cache may hand it to
+        others). An interruption (``KeyboardInterrupt``) fails that batch only
+        and reaches the caller; the server serves on.
         """
         requests, reason, index = taken
+        replica = self.replicas[index]
         torch.get_num_threads()  # see loop(): this thread's intra-op team
         try:
-            with torch.no_grad():
-                self.serve(self.replicas[index], requests, reason)
+            with torch.no_grad(), torch.inference_mode(False), _no_autocast(replica.device):
+                self.serve(replica, requests, reason)
         except Exception as err:  # a bug outside any one batch
             self._break(err, requests)
         except BaseException as err:
@@ -399,6 +404,15 @@ class Serving:
         if self.cache is None or not requests:
             return requests
         return requests + self.cache.release(requests)
+
+
+def _no_autocast(device: torch.device | None) -> contextlib.ExitStack:
+    """Autocast off where the calling thread has it on (on the CPU, CUDA or ``device``), as in a serve thread."""
+    stack = contextlib.ExitStack()
+    for device_type in {"cpu", "cuda", device.type if device is not None else "cpu"}:
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 
 def _groups(live: list[Request]) -> list[list[Request]]:
