@@ -85,3 +85,28 @@ def test_a_value_of_other_rows_is_refused_not_copied_past_its_end(slot):
     x, z, n = values(2, (2,))
     with pytest.raises(RuntimeError):  # torch's copy_ names the shapes; no bytes are read beyond the value
         slot.write([x, z, n], 4, (4,))
+
+
+def test_a_client_first_called_in_inference_mode_serves_its_calls_outside_it():
+    # Its lanes' shared memory was mapped while a caller in torch.inference_mode read the hub's offer: inference
+    # tensors, which every later call outside inference mode failed to write into.
+    import pickle
+
+    from tensordict import TensorDict
+    from tensordict.nn import TensorDictModule
+
+    from torchrl_batchserve import BatchedPolicyServer
+
+    net = torch.nn.Linear(4, 2)
+    x = torch.randn(4)
+    with BatchedPolicyServer(TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])) as server:
+        client = pickle.loads(pickle.dumps(server.remote_policy()))  # a worker's client, in this process
+        with torch.inference_mode():
+            for _ in range(3):  # the first travels pickled and earns a lane; the others use it
+                client(TensorDict(observation=x.clone()))
+        out = client(TensorDict(observation=x.clone()))["logits"]
+        assert server._endpoint.lazy_hub.hub.arrived["lane"] == 3
+    assert not out.is_inference()
+    out.add_(0)  # an in-place op, as a caller may do
+    with torch.no_grad():
+        torch.testing.assert_close(out, net(x))

@@ -105,3 +105,13 @@ def test_tensors_of_every_dtype_and_layout_travel_even_those_whose_pickling_torc
     received = got[2]["expanded"]
     received.add_(1)  # its own memory, writable
     assert torch.equal(alone["expanded"][0], torch.arange(3.0))
+
+
+def test_tensors_read_in_inference_mode_are_normal_tensors():
+    # A client's reader may be a caller in torch.inference_mode, reading the replies of its other callers too:
+    # an inference tensor would refuse their in-place ops outside it.
+    with torch.inference_mode():
+        td = pickle.loads(dumps(TensorDict(x=torch.arange(3.0), empty=torch.zeros(0))))
+    assert not td["x"].is_inference() and not td["empty"].is_inference()
+    td["x"].add_(1)
+    assert td["x"].tolist() == [1.0, 2.0, 3.0]

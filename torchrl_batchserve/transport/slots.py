@@ -83,11 +83,14 @@ class Slot:
         self.capacity = capacity
         self.size = size
         self._mmap = mmap.mmap(fd, size)
-        raw = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.tensors: dict[Any, torch.Tensor] = {}
-        for f in self.fields:
-            nbytes = capacity * _row_bytes(f.dtype, f.feature)
-            self.tensors[f.key] = raw[f.offset : f.offset + nbytes].view(f.dtype).view(capacity, *f.feature)
+        # Normal tensors, whatever the making thread has on: one made in a caller's inference mode could not be
+        # written (in place) by the client's other callers, nor read into their normal results.
+        with torch.inference_mode(False):
+            raw = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            for f in self.fields:
+                nbytes = capacity * _row_bytes(f.dtype, f.feature)
+                self.tensors[f.key] = raw[f.offset : f.offset + nbytes].view(f.dtype).view(capacity, *f.feature)
         self.keys = [f.key for f in self.fields]
         self._views: dict[tuple, list[torch.Tensor]] = {}
 
@@ -156,7 +159,14 @@ class Slot:
                 view.copy_(value)
 
     def read(self, rows: int, batch_shape: Sequence[int]) -> list[torch.Tensor]:
-        """Copies of the first ``rows`` rows, shaped ``(*batch_shape, *feature)``."""
+        """Copies of the first ``rows`` rows, shaped ``(*batch_shape, *feature)``.
+
+        Normal tensors, never inference ones: the reader may be any caller of
+        the client, in its ``torch.inference_mode``, reading for the others too.
+        """
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return self.read(rows, batch_shape)
         return [v.clone() for v in self.views(rows, batch_shape)]
 
     def specs(self) -> list[tuple[Any, torch.dtype, tuple[int, ...]]]:

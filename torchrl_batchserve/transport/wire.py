@@ -63,6 +63,9 @@ class _Pickler(pickle.Pickler):
 
 
 def _from_bytes(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if torch.is_inference_mode_enabled():  # a normal tensor: the reading thread may be reading for others too
+        with torch.inference_mode(False):
+            return _from_bytes(data, dtype, shape)
     if not len(data):
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)  # the unpickled bytearray's memory
