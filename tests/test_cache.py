@@ -35,6 +35,21 @@ def test_hit_returns_exactly_what_the_forward_returns(policy, net):
     assert (stats.cache_hits, stats.cache_misses, stats.requests) == (1, 1, 1)  # the hit never entered a batch
 
 
+def test_a_hit_in_inference_mode_is_a_normal_tensor_as_a_computed_result_is(policy):
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        with torch.inference_mode():
+            first, hit, rows = (
+                remote(obs(0)),
+                remote(obs(0)),
+                remote(TensorDict(observation=torch.stack([obs(0)["observation"]] * 2), batch_size=[2])),
+            )
+        assert server.statistics().cache_hits == 2
+    for td in (first, hit, rows):
+        assert not td["logits"].is_inference()
+        td["logits"].add_(0)  # an in-place op outside inference mode, as a caller may do
+
+
 def test_an_entry_is_never_served_across_a_weight_update(policy, net):
     with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
         remote = server.remote_policy()

@@ -200,6 +200,9 @@ class EvaluationCache:
         in flight; on ``LEAD`` it must be computed (and is now the row others
         with its key join).
         """
+        if torch.is_inference_mode_enabled():  # a hit's copies are normal tensors, as a computed result is
+            with torch.inference_mode(False):
+                return self.admit(request, version)
         keys = self.keys_of(request)
         request.cache_keys = keys
         with self._lock:
