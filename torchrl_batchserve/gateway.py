@@ -132,8 +132,8 @@ class Unstacked:
 class Link:
     """A gateway's connection to the server actor: batches out, their outputs back, matched by ``seq``.
 
-    A TCP connection of its own, not Ray calls: a Ray actor call costs about a
-    millisecond of each side's CPU (docs/performance.md). When it ends (the
+    A TCP connection of its own, not Ray calls, which cost more on both sides
+    (docs/performance.md). When it ends (the
     server actor is gone), every batch in flight fails with
     :class:`~torchrl_batchserve.errors.ServerBrokenError`, and so does every later one.
     """

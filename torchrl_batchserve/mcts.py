@@ -20,10 +20,10 @@ computes it (``W/N + c * P * sqrt(N_parent) / (1 + N)``, tested equal to it),
 with an unvisited move's ``W/N`` taken as 0 and the parent's count as
 ``N_parent + 1``, so that the first walk from a fresh node follows the
 priors. It is written over the node's Python lists rather than by calling
-``PUCTScore``: that module scores one node per call on tensors, about 25 µs
-and six GIL releases a node, which halved self-play throughput with 16 game
-threads (``docs/performance.md``). It would fit a search that scores a whole
-frontier of nodes in one call.
+``PUCTScore``, which scores one node per call with small tensor ops, each
+releasing and retaking the GIL that the other walkers wait for (the A/B is in
+``docs/performance.md``). It would fit a search that scores a whole frontier
+of nodes in one call.
 
 The env's state lives in the TensorDict, as in TorchRL's ``TicTacToeEnv``:
 ``env.step`` from a state and an ``action``, a boolean action mask, ``done``

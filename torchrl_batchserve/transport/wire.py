@@ -43,7 +43,7 @@ class _Pickler(pickle.Pickler):
     """Carries a plain CPU tensor as its raw bytes, its dtype and its shape.
 
     torch's own tensor pickling writes and reads each storage through
-    ``torch.save``, several times slower (``docs/performance.md``), and
+    ``torch.save``, slower (``docs/performance.md``), and
     cannot restore some dtypes at all (``uint16``, ``uint32``, ``uint64``,
     ``float8``). Any other tensor (on a device, requiring grad, a subclass,
     sparse, quantized, nested) pickles as torch pickles it.
