@@ -15,10 +15,10 @@ say what they handle::
 
 A policy that raises during a batch is not wrapped: every caller of that batch
 gets the policy's own exception, as from ``policy(batch)``, each a copy of its
-own (:func:`own_copy`). Every path
-(thread, asyncio task, worker process) raises the same class for the same
-failure: an error crosses to a worker process as it is, or, if it does not
-pickle, as a ``RuntimeError`` naming it (:func:`portable`).
+own (:func:`own_copy`). Every path (thread, asyncio task, worker process)
+raises the same class for the same failure: an error crosses to a worker
+process as it is, or, if it does not pickle, as a ``RuntimeError`` naming it
+(:func:`portable`).
 """
 
 from __future__ import annotations

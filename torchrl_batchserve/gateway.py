@@ -133,9 +133,10 @@ class Link:
     """A gateway's connection to the server actor: batches out, their outputs back, matched by ``seq``.
 
     A TCP connection of its own, not Ray calls, which cost more on both sides
-    (docs/performance.md). When it ends (the
-    server actor is gone), every batch in flight fails with
-    :class:`~torchrl_batchserve.errors.ServerBrokenError`, and so does every later one.
+    (docs/performance.md). When it ends (the server actor is gone), every
+    batch in flight fails with
+    :class:`~torchrl_batchserve.errors.ServerBrokenError`, and so does every
+    later one.
     """
 
     def __init__(self, address: Any, authkey: bytes) -> None:
