@@ -707,6 +707,8 @@ def test_scheme_arguments_and_clean_import():
         BatchServeWeightSyncScheme()
     with pytest.raises(ValueError, match="give either server="):
         BatchServeWeightSyncScheme(object(), address="127.0.0.1", port=1, world_size=2)
+    with pytest.raises(ValueError, match=r"port must be an int in 1..65535 \(got 'x'\)"):  # not at the first push
+        BatchServeWeightSyncScheme(address="127.0.0.1", port="x", world_size=2)
     from torchrl_batchserve import WeightBroadcaster
 
     # checked before anything binds or connects (torch's TCPStore named none of them, or waited on a bad one)

@@ -50,13 +50,13 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl_batchserve.errors import WeightSyncError
 from torchrl_batchserve.weights import ShadowWeights, as_weights, castable, check_version
 
-__all__ = ["WeightBroadcaster", "WeightReceiver"]
+__all__ = ["WeightBroadcaster", "WeightReceiver", "check_group"]
 
 _log = logging.getLogger(__name__)
 _PUSH, _STOP = 1, 2  # header kinds
 
 
-def _check_group(address: Any, port: Any, world_size: Any, timeout: Any) -> None:
+def check_group(address: Any, port: Any, world_size: Any, timeout: Any) -> None:
     """Raise a ``ValueError`` naming the first argument of a weight group that cannot be."""
     if not isinstance(address, str) or not address:
         raise ValueError(f"address must be a host name or an IP address (got {address!r})")
@@ -122,7 +122,7 @@ class WeightBroadcaster:
     """
 
     def __init__(self, address: str, port: int, world_size: int, *, timeout: float = 60.0) -> None:
-        _check_group(address, port, world_size, timeout)
+        check_group(address, port, world_size, timeout)
         self.address, self.port, self.world_size, self.timeout = address, port, world_size, timeout
         self._store, self._group = _group(address, port, 0, world_size, timeout)
         self._lock = threading.Lock()
@@ -196,7 +196,7 @@ class WeightReceiver:
         *,
         timeout: float = 60.0,
     ) -> None:
-        _check_group(address, port, world_size, timeout)
+        check_group(address, port, world_size, timeout)
         if not _is_int(rank) or not 1 <= rank < world_size:
             raise ValueError(f"a server's rank must be an int in 1..{world_size - 1} (got {rank!r})")
         self._shadow = shadow

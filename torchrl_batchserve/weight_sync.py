@@ -22,7 +22,7 @@ from typing import Any
 from tensordict import TensorDictBase
 from torchrl.weight_update import WeightSyncScheme
 
-from torchrl_batchserve.distributed import WeightBroadcaster
+from torchrl_batchserve.distributed import WeightBroadcaster, check_group
 from torchrl_batchserve.weights import as_weights
 
 __all__ = ["BatchServeWeightSyncScheme", "weight_updater"]
@@ -110,7 +110,8 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         self._warned = False
         self._rendezvous: tuple[str, int, int, float] | None = None
         if server is None:
-            self._rendezvous = (str(address), int(port), int(world_size), timeout)  # type: ignore[arg-type]
+            check_group(address, port, world_size, timeout)  # here, not at the collector's first push
+            self._rendezvous = (str(address), int(port), int(world_size), float(timeout))  # type: ignore[arg-type]
         self._broadcaster: WeightBroadcaster | None = None
 
     # -- sender side (the trainer / the collector's main process) -------------------
