@@ -33,6 +33,7 @@ from torchrl_batchserve import (
     StackCollate,
     WeightSyncError,
 )
+from torchrl_batchserve.errors import own_copy
 from torchrl_batchserve.request import BlockingRequest, Relay
 from torchrl_batchserve.transport.hub import _Client
 
@@ -458,6 +459,50 @@ class DropsAKey(TensorDictModuleBase):
     def forward(self, td):
         td.set("logits", torch.zeros(td.batch_size[0], 3))
         return td  # no "value"
+
+
+class ReturnsATensor(TensorDictModuleBase):
+    def __init__(self):
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["logits"]
+
+    def forward(self, td):
+        return td["observation"][..., :3]
+
+
+def test_a_policy_returning_no_tensordict_fails_every_path_with_policy_error():
+    with BatchedPolicyServer(ReturnsATensor()) as server:
+        for remote in (server.remote_policy(), client_of(server)):
+            with pytest.raises(PolicyError, match="the policy returned Tensor; expected a TensorDict"):
+                remote(obs())
+
+
+class NeedsTwo(Exception):
+    def __init__(self, what, why):
+        super().__init__(f"{what}: {why}")
+
+
+class RebuiltAsAnother(Exception):
+    def __reduce__(self):
+        return RuntimeError, self.args
+
+
+def test_own_copy_keeps_cause_context_and_traceback_and_shares_what_it_cannot_rebuild():
+    def raised(error):
+        try:
+            raise error from KeyError("the cause")
+        except BaseException as err:
+            return err
+
+    original = raised(ValueError("boom"))
+    copy = own_copy(original)
+    assert copy is not original and type(copy) is ValueError and copy.args == ("boom",)
+    assert copy.__cause__ is original.__cause__ and copy.__suppress_context__
+    assert copy.__traceback__ is original.__traceback__
+    unbuildable = raised(NeedsTwo("a", "b"))  # its args are ("a: b",): NeedsTwo("a: b") fails
+    assert own_copy(unbuildable) is unbuildable
+    other = RebuiltAsAnother("x")  # a copy of another class would reach a caller as another error
+    assert own_copy(other) is other
 
 
 def test_a_policy_dropping_an_out_key_fails_every_path_with_policy_error():
