@@ -27,7 +27,7 @@ from torchrl_batchserve.errors import PolicyError
 from torchrl_batchserve.layout import shaped_rows
 from torchrl_batchserve.request import Request
 
-__all__ = ["Collate", "FunctionCollate", "StackCollate", "all_single", "as_collate", "split_rows", "split_values"]
+__all__ = ["Collate", "FunctionCollate", "StackCollate", "all_single", "as_collate", "split_rows"]
 
 
 @runtime_checkable
@@ -54,23 +54,15 @@ def split_rows(output: TensorDictBase, requests: Sequence[Request], keys: Sequen
 
     One ``unbind`` per key when every request is a single row; views, no copies.
     """
-    values = []
-    for key in keys:
-        value = output.get(key, None)
-        if value is None:
-            raise PolicyError(f"out_key {key!r}: missing from the policy output (its out_keys promise it)")
-        values.append(value)
-    return split_values(values, requests, keys)
-
-
-def split_values(values: Sequence[Any], requests: Sequence[Request], keys: Sequence[Any]) -> list[Sequence[Any]]:
-    """:func:`split_rows` for values already taken out of the output, one per key."""
     total = 0
     for request in requests:
         total += request.rows
     single = all_single(requests)
     columns: list[Sequence[Any]] = []
-    for key, value in zip(keys, values):
+    for key in keys:
+        value = output.get(key, None)
+        if value is None:
+            raise PolicyError(f"out_key {key!r}: missing from the policy output (its out_keys promise it)")
         if not isinstance(value, torch.Tensor) and (is_non_tensor(value) or not isinstance(value, TensorDictBase)):
             columns.append(_split_non_tensor(value, requests, total))
             continue
