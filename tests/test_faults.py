@@ -495,10 +495,10 @@ def test_own_copy_keeps_cause_context_and_traceback_and_shares_what_it_cannot_re
             return err
 
     original = raised(ValueError("boom"))
-    copy = own_copy(original)
-    assert copy is not original and type(copy) is ValueError and copy.args == ("boom",)
-    assert copy.__cause__ is original.__cause__ and copy.__suppress_context__
-    assert copy.__traceback__ is original.__traceback__
+    copied = own_copy(original)
+    assert copied is not original and type(copied) is ValueError and copied.args == ("boom",)
+    assert copied.__cause__ is original.__cause__ and copied.__suppress_context__
+    assert copied.__traceback__ is original.__traceback__
     unbuildable = raised(NeedsTwo("a", "b"))  # its args are ("a: b",): NeedsTwo("a: b") fails
     assert own_copy(unbuildable) is unbuildable
     other = RebuiltAsAnother("x")  # a copy of another class would reach a caller as another error
