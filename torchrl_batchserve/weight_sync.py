@@ -108,10 +108,10 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         self._server = server
         self._module = module
         self._warned = False
-        self._rendezvous: tuple[str, int, int, float] | None = None
+        self._rendezvous: tuple[Any, Any, Any, Any] | None = None  # (address, port, world_size, timeout), checked
         if server is None:
             check_group(address, port, world_size, timeout)  # here, not at the collector's first push
-            self._rendezvous = (str(address), int(port), int(world_size), float(timeout))  # type: ignore[arg-type]
+            self._rendezvous = (address, port, world_size, timeout)
         self._broadcaster: WeightBroadcaster | None = None
 
     # -- sender side (the trainer / the collector's main process) -------------------
