@@ -6,6 +6,7 @@ import asyncio
 import copy
 import dataclasses
 import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,6 +38,7 @@ from torchrl_batchserve import (
     WeightSyncError,
 )
 from torchrl_batchserve.replica import Replica, served_copy
+from torchrl_batchserve.request import AsyncRequest, Relay, resolve
 from torchrl_batchserve.weights import ShadowWeights
 
 # -- every caller gets policy(its own input) -----------------------------------------
@@ -105,6 +107,66 @@ def test_an_idle_server_keeps_no_result_of_finished_asyncio_tasks_alive(policy):
         alive = sum(ref() is not None for ref in refs)
         assert server.statistics().fired == {"full": 32}
     assert alive == 0, f"{alive} of 32 results outlived their callers, held by the idle server"
+
+
+def _spin(cpu_seconds: float) -> None:
+    start = time.thread_time()
+    while time.thread_time() - start < cpu_seconds:
+        pass
+
+
+def test_the_relay_counts_asyncio_callers_as_waking_until_their_resumed_tasks_reach_their_next_await():
+    # The serve loop waits for a short batch's callers to be awake before it takes the next (Relay.wait_idle),
+    # so that its forward does not fight them for the GIL: for asyncio callers, until the tasks their results
+    # resumed have run on, not merely until their futures are set. Its estimate of their cost counts that work.
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    relay = Relay()
+    requests = [AsyncRequest(obs(), (), 1, torch.Size([]), i, None, None, loop=loop) for i in range(3)]
+    ran: list[int] = []
+
+    async def caller(request: AsyncRequest, i: int) -> None:
+        await request.future
+        _spin(0.02)  # what a task does with its result before its next request
+        ran.append(i)
+
+    async def start() -> list:
+        return [asyncio.ensure_future(caller(r, i)) for i, r in enumerate(requests)]
+
+    try:
+        tasks = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+        resolve(requests, ["logits"], [[torch.zeros(2)] * 3], relay)
+        relay.wait_idle(30)
+        assert sorted(ran) == [0, 1, 2], "the relay was idle before the resumed tasks ran"
+        assert relay.seconds_per_wake() >= 0.015  # each caller's 20 ms of CPU after its result
+        assert all(t.done() for t in tasks)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_an_event_loop_that_does_not_run_holds_the_relay_up_for_one_wait_at_most():
+    # A loop stopped (or busy elsewhere) with results sent to it: the serve loop gives up on it after one
+    # wait, and later batches are not held up by it again.
+    loop = asyncio.new_event_loop()
+    relay = Relay()
+    try:
+        request = AsyncRequest(obs(), (), 1, torch.Size([]), 0, None, None, loop=loop)
+        resolve([request], ["logits"], [[torch.zeros(2)]], relay)
+        relay.wait_idle(0.01)  # gives up on it
+        started = time.monotonic()
+        relay.wait_idle(30)
+        assert time.monotonic() - started < 10, "a loop that never ran its callback held up a second wait"
+    finally:
+        loop.close()
+    resolve(
+        [AsyncRequest(obs(), (), 1, torch.Size([]), 0, None, None, loop=loop)], ["logits"], [[torch.zeros(2)]], relay
+    )
+    started = time.monotonic()
+    relay.wait_idle(30)  # a closed loop: nobody waits for its results
+    assert time.monotonic() - started < 10
 
 
 def test_threads_and_tasks_share_one_server(policy, net):

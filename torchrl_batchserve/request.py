@@ -24,8 +24,10 @@ at the latest.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -200,29 +202,34 @@ class BlockingRequest(Request):
 
 
 class Relay:
-    """Wakes completed blocking callers one after another, in one chain per server.
+    """Wakes the callers of completed batches, and tells the serve loop when they are all awake.
 
     Waking a thread costs the waker a system call with the GIL held, and a
     woken thread that finds the GIL taken sleeps again until it is free:
     woken all at once, the callers of a batch pile up on the GIL with the
     serve loop and with each other. So the serve loop wakes only the first
-    caller of a batch, and each caller wakes the next as it wakes
+    blocking caller of a batch, and each caller wakes the next as it wakes
     (:meth:`pass_on`). The callers of a batch completed while a chain is
     still being passed along join its end rather than start a second chain.
+    The asyncio callers of a batch are settled by one callback in their event
+    loop (:meth:`settle`), and count as waking until the tasks it resumed
+    have run on to their next ``await``.
 
     A forward gives the GIL back at every torch op and must win it back from
-    the callers of a running chain each time; so when a batch took less time
-    than waking its callers will, the serve loop waits for the chain to run
-    out (:meth:`wait_idle`) before it takes the next batch.
+    the waking callers each time; so when a batch took less time than waking
+    its callers will, the serve loop waits until they are all awake
+    (:meth:`wait_idle`) before it takes the next batch.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tail: BlockingRequest | None = None
+        self._loops = 0  # settle callbacks sent whose tasks have not all run yet
+        self._round = 0  # a settle counts only in the round it was sent in (see wait_idle)
         self._idle_waiter: threading.Lock | None = None
         self._started = 0.0
         self._woken = 0
-        self._per_wake = 0.0
+        self._per_wake: deque[float] = deque(maxlen=7)  # seconds per caller woken, in recent wakes
 
     def start(self, chain: list[BlockingRequest]) -> None:
         """Wake ``chain`` one after another, after any chain running now.
@@ -256,24 +263,70 @@ class Relay:
             self._woken += 1
             if follower is None and self._tail is request:
                 self._tail = None
-                self._per_wake = (time.perf_counter() - self._started) / self._woken
-                idle, self._idle_waiter = self._idle_waiter, None
+                self._per_wake.append((time.perf_counter() - self._started) / self._woken)
+                idle = self._idle()
         if follower is not None:
             follower._lock.release()
         elif idle is not None:
             idle.release()
 
+    def _idle(self) -> threading.Lock | None:
+        """The waiter to release, if no caller is waking any more (under the lock)."""
+        if self._tail is not None or self._loops:
+            return None
+        idle, self._idle_waiter = self._idle_waiter, None
+        return idle
+
+    def settle(self, loop: asyncio.AbstractEventLoop, requests: list[Request]) -> None:
+        """Settle the futures of ``requests``, all of ``loop``, with one callback in it."""
+        with self._lock:
+            self._loops += 1
+            sent = self._round
+        try:
+            loop.call_soon_threadsafe(self._in_loop, loop, requests, sent)
+        except RuntimeError:  # the loop is closed: nobody is left to wait for these results
+            self._ran(sent, 0, [])
+
+    def _in_loop(self, loop: asyncio.AbstractEventLoop, requests: list[Request], sent: int) -> None:
+        # The work these callers cost the loop's thread, in CPU time (neither the loop's wake-up nor its waits for
+        # the GIL): settling their futures, then running the tasks it resumes, which are queued right after the
+        # first callback below and right before the second.
+        cost = [0.0, 0.0]  # CPU seconds spent settling; the thread's CPU time when the resumed tasks begin
+        loop.call_soon(_resumed, cost)
+        began = time.thread_time()
+        try:
+            _settle(requests)
+        finally:
+            cost[0] = time.thread_time() - began
+            loop.call_soon(self._ran, sent, len(requests), cost)
+
+    def _ran(self, sent: int, woken: int, cost: list[float]) -> None:
+        with self._lock:
+            if woken:
+                self._per_wake.append((cost[0] + time.thread_time() - cost[1]) / woken)
+            if sent != self._round:
+                return  # forgotten by wait_idle
+            self._loops -= 1
+            idle = self._idle()
+        if idle is not None:
+            idle.release()
+
     def seconds_per_wake(self) -> float:
-        """How long a chain takes per caller: the running one's so far, else the last one's."""
+        """How long waking takes per caller: in the running chain so far, else in recent chains and settles."""
         with self._lock:
             if self._tail is not None and self._woken:
                 return (time.perf_counter() - self._started) / self._woken
-            return self._per_wake
+            # The median: a garbage collection during one wake is no rule.
+            return statistics.median(self._per_wake) if self._per_wake else 0.0
 
     def wait_idle(self, timeout: float) -> None:
-        """Block until no chain is being passed along, for at most ``timeout`` seconds."""
+        """Block until every caller is awake, for at most ``timeout`` seconds.
+
+        An event loop that has not run its callback by then (busy with
+        other work, or stopped) is no longer waited for.
+        """
         with self._lock:
-            if self._tail is None:
+            if self._tail is None and not self._loops:
                 return
             waiter = self._idle_waiter = threading.Lock()
             waiter.acquire()
@@ -281,6 +334,7 @@ class Relay:
             with self._lock:
                 if self._idle_waiter is waiter:
                     self._idle_waiter = None
+                self._round, self._loops = self._round + 1, 0
 
 
 class FutureRequest(Request):
@@ -343,6 +397,10 @@ class AsyncRequest(Request):
             self.future.set_exception(err)
 
 
+def _resumed(cost: list[float]) -> None:
+    cost[1] = time.thread_time()
+
+
 def _settle(requests: Sequence[Any]) -> None:
     for request in requests:
         request._settle()
@@ -355,13 +413,11 @@ def _call_in_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, arg: Any
         pass  # the loop is closed: nobody is left to wait for these results
 
 
-def resolve(
-    requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[Sequence[Any]], relay: Relay | None = None
-) -> None:
+def resolve(requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[Sequence[Any]], relay: Relay) -> None:
     """Complete ``requests[i]`` with ``columns[k][i]`` for each key ``keys[k]``.
 
-    Requests of an event loop are settled with one call per loop; blocking
-    callers are woken as a relay (:class:`BlockingRequest`); futures directly.
+    Through ``relay``: requests of an event loop are settled with one call
+    per loop, blocking callers woken one after another; futures directly.
     """
     by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
     chain: list[BlockingRequest] = []
@@ -371,15 +427,15 @@ def resolve(
         if request.loop is not None:
             if request._store(keys, values, None):
                 by_loop.setdefault(request.loop, []).append(request)
-        elif type(request) is BlockingRequest and relay is not None and request.caller != me:
+        elif type(request) is BlockingRequest and request.caller != me:
             if request._store(keys, values, None):
                 chain.append(request)  # unless abandoned by the time the chain starts (Relay.start)
         else:
             request.finish(keys, values)
     for loop, group in by_loop.items():
-        _call_in_loop(loop, _settle, group)
+        relay.settle(loop, group)
     if chain:
-        relay.start(chain)  # type: ignore[union-attr]
+        relay.start(chain)
 
 
 def fail_all(requests: Sequence[Request], error: BaseException) -> None:

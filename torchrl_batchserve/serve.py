@@ -180,7 +180,7 @@ class Serving:
         self.output_device = output_device
         self.max_batch_size = max_batch_size
         self.static_batch_size = static_batch_size
-        self.relay = Relay()  # one wake-up chain for all blocking callers of this server
+        self.relay = Relay()  # wakes the callers of every batch of this server
         self.broken: BaseException | None = None  # set when a serve loop dies: the server serves no more
         self.replicas: list[Replica] = []
         self.threads: list[threading.Thread] = []
