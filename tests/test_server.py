@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import GatedPolicy, make_mlp, obs
+from conftest import GatedPolicy, make_mlp, obs, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, TensorDict
@@ -38,7 +38,7 @@ from torchrl_batchserve import (
     WeightSyncError,
 )
 from torchrl_batchserve.replica import Replica, served_copy
-from torchrl_batchserve.request import AsyncRequest, Relay, resolve
+from torchrl_batchserve.request import AsyncRequest, BlockingRequest, Relay, resolve
 from torchrl_batchserve.weights import ShadowWeights
 
 # -- every caller gets policy(its own input) -----------------------------------------
@@ -145,6 +145,21 @@ def test_the_relay_counts_asyncio_callers_as_waking_until_their_resumed_tasks_re
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_the_serve_loops_of_two_replicas_waiting_for_the_same_callers_both_go_on_once_they_are_awake():
+    relay = Relay()
+    caller = BlockingRequest(obs(), (), 1, torch.Size([]), 0, None, None)
+    caller._store(["logits"], [torch.zeros(2)], None)
+    relay.start([caller])  # woken, but its caller has not run yet
+    loops = [threading.Thread(target=relay.wait_idle, args=(60,)) for _ in range(2)]
+    for loop in loops:
+        loop.start()
+    wait_for(lambda: len(relay._awake._waiters) == 2, "both serve loops waiting")
+    caller.wait(lambda: True)  # the caller wakes: nobody is waking any more
+    for loop in loops:
+        loop.join(20)
+    assert not any(loop.is_alive() for loop in loops), "a serve loop kept waiting for callers already awake"
 
 
 def test_an_event_loop_that_does_not_run_holds_the_relay_up_for_one_wait_at_most():

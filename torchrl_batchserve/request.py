@@ -223,10 +223,10 @@ class Relay:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._awake = threading.Condition(self._lock)  # notified when every caller is awake
         self._tail: BlockingRequest | None = None
         self._loops = 0  # settle callbacks sent whose tasks have not all run yet
         self._round = 0  # a settle counts only in the round it was sent in (see wait_idle)
-        self._idle_waiter: threading.Lock | None = None
         self._started = 0.0
         self._woken = 0
         self._per_wake: deque[float] = deque(maxlen=7)  # seconds per caller woken, in recent wakes
@@ -257,25 +257,20 @@ class Relay:
 
     def pass_on(self, request: BlockingRequest) -> None:
         """``request``'s caller woke (or left): wake the next one."""
-        idle = None
         with self._lock:
             follower, request.next = request.next, None
             self._woken += 1
             if follower is None and self._tail is request:
                 self._tail = None
                 self._per_wake.append((time.perf_counter() - self._started) / self._woken)
-                idle = self._idle()
+                if self._idle():
+                    self._awake.notify_all()
         if follower is not None:
             follower._lock.release()
-        elif idle is not None:
-            idle.release()
 
-    def _idle(self) -> threading.Lock | None:
-        """The waiter to release, if no caller is waking any more (under the lock)."""
-        if self._tail is not None or self._loops:
-            return None
-        idle, self._idle_waiter = self._idle_waiter, None
-        return idle
+    def _idle(self) -> bool:
+        """Whether no caller is waking any more (under the lock)."""
+        return self._tail is None and not self._loops
 
     def settle(self, loop: asyncio.AbstractEventLoop, requests: list[Request]) -> None:
         """Settle the futures of ``requests``, all of ``loop``, with one callback in it."""
@@ -307,9 +302,8 @@ class Relay:
             if sent != self._round:
                 return  # forgotten by wait_idle
             self._loops -= 1
-            idle = self._idle()
-        if idle is not None:
-            idle.release()
+            if self._idle():
+                self._awake.notify_all()
 
     def seconds_per_wake(self) -> float:
         """How long waking takes per caller: in the running chain so far, else in recent chains and settles."""
@@ -326,14 +320,7 @@ class Relay:
         other work, or stopped) is no longer waited for.
         """
         with self._lock:
-            if self._tail is None and not self._loops:
-                return
-            waiter = self._idle_waiter = threading.Lock()
-            waiter.acquire()
-        if not waiter.acquire(timeout=timeout):
-            with self._lock:
-                if self._idle_waiter is waiter:
-                    self._idle_waiter = None
+            if not self._awake.wait_for(self._idle, timeout):
                 self._round, self._loops = self._round + 1, 0
 
 
