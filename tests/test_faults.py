@@ -470,10 +470,17 @@ class ReturnsATensor(TensorDictModuleBase):
         return td["observation"][..., :3]
 
 
-def test_a_policy_returning_no_tensordict_fails_every_path_with_policy_error():
-    with BatchedPolicyServer(ReturnsATensor()) as server:
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        (DropsAKey, "out_key 'value': missing"),
+        (ReturnsATensor, "the policy returned Tensor; expected a TensorDict"),
+    ],
+)
+def test_a_policy_breaking_its_contract_fails_every_path_with_policy_error(policy, message):
+    with BatchedPolicyServer(policy()) as server:
         for remote in (server.remote_policy(), client_of(server)):
-            with pytest.raises(PolicyError, match="the policy returned Tensor; expected a TensorDict"):
+            with pytest.raises(PolicyError, match=message):
                 remote(obs())
 
 
@@ -503,13 +510,6 @@ def test_own_copy_keeps_cause_context_and_traceback_and_shares_what_it_cannot_re
     assert own_copy(unbuildable) is unbuildable
     other = RebuiltAsAnother("x")  # a copy of another class would reach a caller as another error
     assert own_copy(other) is other
-
-
-def test_a_policy_dropping_an_out_key_fails_every_path_with_policy_error():
-    with BatchedPolicyServer(DropsAKey()) as server:
-        for remote in (server.remote_policy(), client_of(server)):
-            with pytest.raises(PolicyError, match="out_key 'value': missing"):
-                remote(obs())
 
 
 class RaisesBaseException(TensorDictModuleBase):
