@@ -863,3 +863,44 @@ def test_a_worker_that_breaks_the_protocol_fails_alone_and_the_hub_serves_on():
         del raw, wire  # its bells close with it
         assert worker(obs())["logits"].shape == (3,)  # the other worker never noticed
         assert server.remote_policy()(obs())["logits"].shape == (3,)
+
+
+@pytest.mark.parametrize("where", ["in-process", "worker"])
+@pytest.mark.parametrize("via", ["submit", "acall"])
+def test_a_caller_whose_tensordict_is_locked_while_its_request_runs_gets_the_writes_error_and_the_server_serves_on(
+    where, via
+):
+    gated = GatedPolicy(make_mlp(), block_first=2)
+    gated.gate.set()  # the first batch passes: a worker's first request is pickled, and brings it a lane
+    loop_errors: list = []
+
+    async def acall(td, remote):
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+        task = asyncio.create_task(remote.acall(td))
+        assert await asyncio.to_thread(gated.entered.wait, 10)
+        td.lock_()  # its outputs can no longer be written into it
+        gated.gate.set()
+        return await asyncio.wait_for(task, 10)
+
+    with BatchedPolicyServer(gated, timeout=0.001) as server:
+        remote = server.remote_policy() if where == "in-process" else client_of(server)
+        remote(obs())
+        gated.gate.clear()
+        gated.entered.clear()
+        td = obs()
+        with pytest.raises(RuntimeError, match="locked"):
+            if via == "acall":
+                asyncio.run(acall(td, remote))
+            else:
+                future = remote.submit(td)
+                assert gated.entered.wait(10)
+                td.lock_()
+                gated.gate.set()
+                future.result(10)
+        again = remote(obs())  # and it serves on
+        assert server.statistics().failed_batches == 0  # the write failed, not the batch
+        if where == "worker":  # its outputs came back in its lane, and were written by the client's reader
+            assert server._endpoint.lazy_hub.hub.arrived["lane"] >= 1
+    assert not loop_errors and "logits" not in td.keys()
+    with torch.no_grad():
+        torch.testing.assert_close(again["logits"], gated.net(again["observation"]))
