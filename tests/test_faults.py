@@ -904,3 +904,10 @@ def test_a_caller_whose_tensordict_is_locked_while_its_request_runs_gets_the_wri
     assert not loop_errors and "logits" not in td.keys()
     with torch.no_grad():
         torch.testing.assert_close(again["logits"], gated.net(again["observation"]))
+
+
+def test_a_blocking_caller_left_unanswered_by_a_serve_loop_that_is_gone_gets_server_broken_error():
+    request = BlockingRequest(obs(), (), 1, torch.Size([]), 0, None, None)
+    with pytest.raises(ServerBrokenError, match="stopped without answering"):
+        request.wait(lambda: False, check_every=0.01)  # no serve loop alive, and nothing completed it
+    assert request.done
