@@ -857,6 +857,11 @@ def test_a_worker_that_breaks_the_protocol_fails_alone_and_the_hub_serves_on():
         assert (kind, seq, error) == ("done", 2, None)
         with torch.no_grad():
             torch.testing.assert_close(dict(zip(keys, values))["logits"], policy.module(td["observation"]))
+        _, lane, _, capacity, _ = next(r for r in replies if r[0] == "lane")  # offered for its next requests
+        raw._headers.write(lane, 3, capacity + 1, (capacity + 1,), None)  # more rows than the lane holds
+        os.eventfd_write(bell, 1 << lane)
+        kind, seq, outcome, _ = wire.recv()  # that request fails alone
+        assert (kind, seq) == ("done", 3) and isinstance(pickle.loads(outcome)[0], BadRequestError)
         wire.sock.sendall(b"\x00\x00\x00\x04junk")  # a frame that is not a message: the hub drops the worker
         with pytest.raises(EOFError):
             wire.recv()
@@ -911,3 +916,16 @@ def test_a_blocking_caller_left_unanswered_by_a_serve_loop_that_is_gone_gets_ser
     with pytest.raises(ServerBrokenError, match="stopped without answering"):
         request.wait(lambda: False, check_every=0.01)  # no serve loop alive, and nothing completed it
     assert request.done
+
+
+def test_a_connection_with_the_wrong_key_is_dropped_without_an_answer():
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        address, authkey, _ = server._endpoint.process_address()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(address)
+            sock.sendall(bytes(b ^ 0xFF for b in authkey))
+            assert sock.recv(1) == b""  # hung up on: neither admitted nor given bells
+        assert server._endpoint.lazy_hub.hub.clients == 0
+        assert client_of(server)(obs())["logits"].shape == (3,)  # the right key is served
