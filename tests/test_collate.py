@@ -26,6 +26,7 @@ from torchrl_batchserve import (
     LengthCost,
     PackCollate,
     PadCollate,
+    PolicyError,
     StackCollate,
 )
 
@@ -269,6 +270,34 @@ def test_packed_results_equal_each_request_alone():
     sizes = batch["offsets"].diff()
     assert torch.equal(batch["segment_ids"], torch.arange(len(sizes)).repeat_interleave(sizes))
     assert batch["items"].shape[0] == int(batch["offsets"][-1])
+
+
+class MiscountingSetPolicy(nn.Module):
+    """Returns ``extra_sets`` more per-set rows, or ``extra_elements`` more per-element scores, than it was given."""
+
+    def __init__(self, extra_sets: int, extra_elements: int) -> None:
+        super().__init__()
+        self.extra_sets, self.extra_elements = extra_sets, extra_elements
+
+    def forward(self, items, segment_ids, offsets):
+        return torch.zeros(len(offsets) - 1 + self.extra_sets, 2), torch.zeros(len(items) + self.extra_elements)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ((1, 0), r"'embedding' has shape \(3, 2\); its leading dim must be the batch's 2 rows"),
+        ((0, 1), r"'score' has shape \(9,\); expected 8 elements first"),
+    ],
+    ids=["sets", "elements"],
+)
+def test_a_packed_policy_miscounting_its_sets_or_elements_fails_its_batch_with_policy_error(extra, message):
+    net = MiscountingSetPolicy(*extra)
+    policy = TensorDictModule(net, in_keys=["items", "segment_ids", "offsets"], out_keys=["embedding", "score"])
+    with BatchedPolicyServer(policy, collate=PackCollate(["items"], element_keys=["score"])) as server:
+        with pytest.raises(PolicyError, match=message):
+            server.remote_policy()(TensorDict(items=torch.randn(2, 4, 3), batch_size=[2]))
+        assert server.statistics().failed_batches == 1
 
 
 # -- nested and non-tensor entries ----------------------------------------------------------

@@ -60,9 +60,7 @@ def split_rows(output: TensorDictBase, requests: Sequence[Request], keys: Sequen
     single = all_single(requests)
     columns: list[Sequence[Any]] = []
     for key in keys:
-        value = output.get(key, None)
-        if value is None:
-            raise PolicyError(f"out_key {key!r}: missing from the policy output (its out_keys promise it)")
+        value = output.get(key)  # there: the serve loop checked the out_keys
         if not isinstance(value, torch.Tensor) and (is_non_tensor(value) or not isinstance(value, TensorDictBase)):
             columns.append(_split_non_tensor(value, requests, total))
             continue
