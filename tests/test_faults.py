@@ -204,6 +204,30 @@ def test_a_malformed_request_queued_before_any_success_never_locks_the_good_ones
             remote(obs(n=5))  # refused at submit from now on
 
 
+class CastsToFloat(GatedPolicy):
+    def forward(self, td):
+        td.set("observation", td.get("observation").float())
+        return super().forward(td)
+
+
+def test_two_layouts_served_at_once_by_two_replicas_fix_one_and_the_others_callers_get_bad_request_error():
+    gated = CastsToFloat(make_mlp(), block_first=2)
+    with BatchedPolicyServer(gated, device=["cpu", "cpu"], timeout=0.001, max_batch_size=1) as server:
+        remote = server.remote_policy()
+        single = remote.submit(obs())
+        wait_for(lambda: len(gated.batches) == 1, "a replica in the first forward")
+        double = remote.submit(TensorDict(observation=torch.randn(8, dtype=torch.float64)))
+        wait_for(lambda: len(gated.batches) == 2, "the other replica in the second forward")  # no layout yet
+        gated.gate.set()
+        outcomes = [f.exception(10) for f in (single, double)]
+        won = outcomes.index(None)  # the first to finish fixes the layout: the other's outputs are not handed out
+        assert isinstance(outcomes[1 - won], BadRequestError), outcomes
+        kinds = [obs, lambda: TensorDict(observation=torch.randn(8, dtype=torch.float64))]
+        assert remote(kinds[won]())["logits"].shape == (3,)  # the winner's layout is the server's
+        with pytest.raises(BadRequestError, match="dtype"):
+            remote(kinds[1 - won]())  # refused at submit from now on
+
+
 class Bomb:
     """Pickles fine, and raises when the hub unpickles it."""
 
