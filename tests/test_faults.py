@@ -953,3 +953,27 @@ def test_a_connection_with_the_wrong_key_is_dropped_without_an_answer():
             assert sock.recv(1) == b""  # hung up on: neither admitted nor given bells
         assert server._endpoint.lazy_hub.hub.clients == 0
         assert client_of(server)(obs())["logits"].shape == (3,)  # the right key is served
+
+
+class Unpicklable(Exception):
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()  # what it holds cannot travel to another process
+
+
+class RaisesUnpicklable(TensorDictModuleBase):
+    def __init__(self):
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["logits"]
+
+    def forward(self, td):
+        raise Unpicklable("boom")
+
+
+def test_a_worker_whose_batch_failed_with_an_exception_that_cannot_travel_gets_a_runtime_error_naming_it():
+    with BatchedPolicyServer(RaisesUnpicklable()) as server:
+        with pytest.raises(Unpicklable, match="boom"):
+            server.remote_policy()(obs())  # a thread of the server's process gets the exception itself
+        with pytest.raises(RuntimeError, match="^Unpicklable: boom$"):
+            client_of(server)(obs())
+        assert server.statistics().failed_batches == 2
