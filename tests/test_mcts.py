@@ -298,6 +298,26 @@ class Diverged(torch.nn.Module):
         return logits, value
 
 
+class TwoValues(torch.nn.Module):
+    """``Net``, but with two values per board."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, board: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, value = self.net(board)
+        return logits, torch.cat([value, value], -1)
+
+
+def test_a_value_head_with_more_than_one_value_per_leaf_ends_the_search_by_name():
+    env = TicTacToeEnv()
+    policy = TensorDictModule(TwoValues(), in_keys=["board"], out_keys=["logits", "value"])
+    search = TreeSearch(env, policy)
+    with pytest.raises(SearchError, match=r"'value' must hold one value per leaf \(1\), got shape \(2,\)"):
+        search.run(search.tree(env.reset()), 10)
+
+
 @pytest.mark.parametrize("key", ["logits", "value"])
 def test_a_policy_gone_nan_ends_the_search_by_name_leaving_no_walk_in_flight(key):
     # nan scores made the selection pick index -1: an illegal move, or an index error, far from the cause.
