@@ -17,7 +17,7 @@ import weakref
 import pytest
 import torch
 from conftest import GatedPolicy, make_mlp, obs, wait_for
-from tensordict import NonTensorData, TensorDict
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 
 from torchrl_batchserve import (
@@ -366,6 +366,16 @@ def test_zero_rows_are_refused_the_same_way_in_process_and_from_a_worker():
             worker(obs(0))
         assert worker(obs())["logits"].shape == (3,)
         assert server._endpoint.lazy_hub.hub.arrived == {"lane": 1, "socket": 1}  # (refused requests are not counted)
+
+
+def test_a_lazy_stack_of_rows_of_differing_shapes_is_refused_by_key_in_process_and_from_a_worker():
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        for remote in (server.remote_policy(), client_of(server)):
+            rows = LazyStackedTensorDict(obs(), obs(n=5), stack_dim=0)
+            with pytest.raises(BadRequestError, match="key 'observation': cannot be read as one batched entry"):
+                remote(rows)
+            assert remote(LazyStackedTensorDict(obs(), obs(), stack_dim=0))["logits"].shape == (2, 3)
 
 
 def test_meta_weights_are_refused_with_a_weight_sync_error():
