@@ -546,17 +546,20 @@ def test_own_copy_keeps_cause_context_and_traceback_and_shares_what_it_cannot_re
     assert own_copy(other) is other
 
 
-class RaisesBaseException(TensorDictModuleBase):
-    def __init__(self):
+class Raises(TensorDictModuleBase):
+    """A policy whose every forward raises ``make_error()``."""
+
+    def __init__(self, make_error):
         super().__init__()
         self.in_keys, self.out_keys = ["observation"], ["logits"]
+        self.make_error = make_error
 
     def forward(self, td):
-        raise SystemExit("the policy called sys.exit")
+        raise self.make_error()
 
 
 def test_a_policy_raising_a_base_exception_breaks_the_server_and_every_caller_learns_it():
-    server = BatchedPolicyServer(RaisesBaseException())
+    server = BatchedPolicyServer(Raises(lambda: SystemExit("the policy called sys.exit")))
     remote = server.remote_policy()
     with pytest.raises(ServerBrokenError) as info:
         remote(obs())
@@ -971,17 +974,8 @@ class Unpicklable(Exception):
         self.lock = threading.Lock()  # what it holds cannot travel to another process
 
 
-class RaisesUnpicklable(TensorDictModuleBase):
-    def __init__(self):
-        super().__init__()
-        self.in_keys, self.out_keys = ["observation"], ["logits"]
-
-    def forward(self, td):
-        raise Unpicklable("boom")
-
-
 def test_a_worker_whose_batch_failed_with_an_exception_that_cannot_travel_gets_a_runtime_error_naming_it():
-    with BatchedPolicyServer(RaisesUnpicklable()) as server:
+    with BatchedPolicyServer(Raises(lambda: Unpicklable("boom"))) as server:
         with pytest.raises(Unpicklable, match="boom"):
             server.remote_policy()(obs())  # a thread of the server's process gets the exception itself
         with pytest.raises(RuntimeError, match="^Unpicklable: boom$"):
