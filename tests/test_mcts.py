@@ -298,23 +298,30 @@ class Diverged(torch.nn.Module):
         return logits, value
 
 
-class TwoValues(torch.nn.Module):
-    """``Net``, but with two values per board."""
+class Miscounted(torch.nn.Module):
+    """``Net``, but with its ``key``'s last dim cut (``"logits"``: 8 of 9) or doubled (``"value"``: 2)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str) -> None:
         super().__init__()
-        self.net = Net()
+        self.net, self.key = Net(), key
 
     def forward(self, board: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, value = self.net(board)
-        return logits, torch.cat([value, value], -1)
+        return (logits[..., :8], value) if self.key == "logits" else (logits, torch.cat([value, value], -1))
 
 
-def test_a_value_head_with_more_than_one_value_per_leaf_ends_the_search_by_name():
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("logits", r"'logits' must hold one logit per action \(9\), got shape \(8,\)"),
+        ("value", r"'value' must hold one value per leaf \(1\), got shape \(2,\)"),
+    ],
+)
+def test_a_head_with_the_wrong_count_of_logits_or_values_ends_the_search_by_name(key, message):
     env = TicTacToeEnv()
-    policy = TensorDictModule(TwoValues(), in_keys=["board"], out_keys=["logits", "value"])
+    policy = TensorDictModule(Miscounted(key), in_keys=["board"], out_keys=["logits", "value"])
     search = TreeSearch(env, policy)
-    with pytest.raises(SearchError, match=r"'value' must hold one value per leaf \(1\), got shape \(2,\)"):
+    with pytest.raises(SearchError, match=message):
         search.run(search.tree(env.reset()), 10)
 
 

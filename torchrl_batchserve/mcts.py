@@ -317,6 +317,10 @@ class TreeSearch:
             node.pending[action] -= 1
 
     def _priors(self, logits: torch.Tensor, legal: list[bool]) -> list[float]:
+        if logits.numel() != len(legal):
+            raise SearchError(
+                f"{self.prior_key!r} must hold one logit per action ({len(legal)}), got shape {tuple(logits.shape)}"
+            )
         mask = torch.tensor(legal)
         priors = torch.softmax(logits.double().reshape(-1).masked_fill(~mask, -torch.inf), -1)
         if not bool(priors.isfinite().all()):  # (nan, or no legal move with a finite logit)
