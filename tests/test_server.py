@@ -90,6 +90,36 @@ def test_1000_asyncio_tasks_batch_together(policy, net):
     assert stats.mean_batch_size > 8  # one event loop: thousands of tasks share batches
 
 
+def test_tasks_of_four_event_loops_share_one_batch_and_each_loop_gets_its_own_results(net):
+    gated = GatedPolicy(net, block_first=1)
+    results: dict[int, list] = {}
+
+    async def tasks(remote, loop_index: int) -> None:
+        tds = [obs() for _ in range(16)]
+        inputs = [td["observation"].clone() for td in tds]
+        outs = await asyncio.gather(*(remote.acall(td) for td in tds))
+        results[loop_index] = list(zip(inputs, outs))
+
+    with BatchedPolicyServer(gated, max_batch_size=64, timeout=60.0) as server:
+        remote = server.remote_policy()
+        held = server.submit(obs())
+        assert gated.entered.wait(10)  # the serve loop is held: the 64 requests queue behind it
+        threads = [threading.Thread(target=asyncio.run, args=(tasks(remote, i),), daemon=True) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: server._queue._rows == 64, "the four loops' 64 requests queued")
+        gated.gate.set()
+        held.result(10)
+        for thread in threads:
+            thread.join(30)
+    assert sorted(results) == [0, 1, 2, 3]  # every loop's tasks were settled in that loop
+    assert gated.batches == [1, 64]  # one batch for the four loops
+    with torch.no_grad():
+        for pairs in results.values():
+            for x, out in pairs:
+                torch.testing.assert_close(out["logits"], net(x))
+
+
 def test_an_idle_server_keeps_no_result_of_finished_asyncio_tasks_alive(policy):
     # The queue remembers the callers it served until a batch fires on its timeout (60 s: never here, every
     # batch of one row is full). Remembered as tasks, the finished tasks would hold their results.
