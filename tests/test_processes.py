@@ -1135,6 +1135,42 @@ def test_asyncio_tasks_wait_for_lane_replies_in_their_event_loop_and_a_cancelled
             torch.testing.assert_close(td["logits"], net(x))
 
 
+def test_tasks_of_four_event_loops_sharing_one_worker_copy_are_each_settled_in_their_own_loop():
+    server, remote, net, (hold, entered, release) = _tasks_on_lanes(16)
+    results: dict[int, list] = {}
+    loop_errors: list = []  # in debug mode, a loop touched from another loop's thread raises there
+
+    async def tasks(loop_index: int) -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+        xs = [torch.randn(8) for _ in range(4)]
+        calls = asyncio.gather(*(remote.acall(TensorDict(observation=x)) for x in xs))
+        results[loop_index] = list(zip(xs, await asyncio.wait_for(calls, 10)))
+
+    try:
+        hub = server._endpoint.lazy_hub.hub
+        before = hub.arrived["lane"]
+        hold.set()  # all 16 in flight at once: the client's reader settles several loops' replies per pass
+        threads = [
+            threading.Thread(target=asyncio.run, args=(tasks(i),), kwargs={"debug": True}, daemon=True)
+            for i in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: hub.arrived["lane"] - before == 16, "the four loops' requests at the hub, in lanes")
+        hold.clear()
+        release.set()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        release.set()
+        server.close()
+    assert sorted(results) == [0, 1, 2, 3] and not loop_errors, loop_errors
+    with torch.no_grad():
+        for pairs in results.values():
+            for x, td in pairs:
+                torch.testing.assert_close(td["logits"], net(x))
+
+
 def test_a_closing_server_fails_every_task_waiting_on_a_lane_promptly():
     server, remote, _, (hold, entered, release) = _tasks_on_lanes(8)
 
