@@ -93,8 +93,10 @@ def test_1000_asyncio_tasks_batch_together(policy, net):
 def test_tasks_of_four_event_loops_share_one_batch_and_each_loop_gets_its_own_results(net):
     gated = GatedPolicy(net, block_first=1)
     results: dict[int, list] = {}
+    loop_errors: list = []  # in debug mode, a loop touched from another loop's thread raises there
 
     async def tasks(remote, loop_index: int) -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
         tds = [obs() for _ in range(16)]
         inputs = [td["observation"].clone() for td in tds]
         outs = await asyncio.gather(*(remote.acall(td) for td in tds))
@@ -104,7 +106,10 @@ def test_tasks_of_four_event_loops_share_one_batch_and_each_loop_gets_its_own_re
         remote = server.remote_policy()
         held = server.submit(obs())
         assert gated.entered.wait(10)  # the serve loop is held: the 64 requests queue behind it
-        threads = [threading.Thread(target=asyncio.run, args=(tasks(remote, i),), daemon=True) for i in range(4)]
+        threads = [
+            threading.Thread(target=asyncio.run, args=(tasks(remote, i),), kwargs={"debug": True}, daemon=True)
+            for i in range(4)
+        ]
         for thread in threads:
             thread.start()
         wait_for(lambda: server._queue._rows == 64, "the four loops' 64 requests queued")
@@ -112,7 +117,7 @@ def test_tasks_of_four_event_loops_share_one_batch_and_each_loop_gets_its_own_re
         held.result(10)
         for thread in threads:
             thread.join(30)
-    assert sorted(results) == [0, 1, 2, 3]  # every loop's tasks were settled in that loop
+    assert sorted(results) == [0, 1, 2, 3] and not loop_errors, loop_errors  # each loop settled its own tasks
     assert gated.batches == [1, 64]  # one batch for the four loops
     with torch.no_grad():
         for pairs in results.values():
