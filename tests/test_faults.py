@@ -981,3 +981,30 @@ def test_a_worker_whose_batch_failed_with_an_exception_that_cannot_travel_gets_a
         with pytest.raises(RuntimeError, match="^Unpicklable: boom$"):
             client_of(server)(obs())
         assert server.statistics().failed_batches == 2
+
+
+@pytest.mark.parametrize("ending", ["served", "failed by close"])
+def test_a_request_whose_event_loop_closed_while_it_waited_is_dropped_and_breaks_nothing(ending):
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    server = BatchedPolicyServer(gated, max_batch_size=8, timeout=60.0)
+    try:
+        remote = server.remote_policy()
+        held = server.submit(obs())
+        assert gated.entered.wait(10)  # the requests below queue behind the held batch
+        loop = asyncio.new_event_loop()
+        orphan = loop.create_task(remote.acall(obs()))
+        loop.run_until_complete(asyncio.sleep(0))  # the task ran up to its await: its request is queued
+        loop.close()  # and its loop is gone, the task still pending: nobody is left to settle its future
+        if ending == "served":
+            gated.gate.set()
+            held.result(10)
+            assert remote(obs())["logits"].shape == (3,)  # the server serves on
+            assert server.statistics().failed_batches == 0
+        else:
+            server.close(wait=False, cancel_pending=True)  # fails it, and raises nothing
+            gated.gate.set()
+            assert server.close(timeout=10)
+        assert not orphan.done()
+    finally:
+        gated.gate.set()
+        server.close(timeout=10)
