@@ -44,6 +44,7 @@ __all__ = [
     "FutureRequest",
     "Relay",
     "Request",
+    "call_in_loop",
     "fail_all",
     "resolve",
     "write_outputs",
@@ -277,10 +278,8 @@ class Relay:
         with self._lock:
             self._loops += 1
             sent = self._round
-        try:
-            loop.call_soon_threadsafe(self._in_loop, loop, requests, sent)
-        except RuntimeError:  # the loop is closed: nobody is left to wait for these results
-            self._ran(sent, 0, [])
+        if not call_in_loop(loop, self._in_loop, loop, requests, sent):
+            self._ran(sent)
 
     def _in_loop(self, loop: asyncio.AbstractEventLoop, requests: list[Request], sent: int) -> None:
         # The work these callers cost the loop's thread, in CPU time (neither the loop's wake-up nor its waits for
@@ -295,7 +294,7 @@ class Relay:
             cost[0] = time.thread_time() - began
             loop.call_soon(self._ran, sent, len(requests), cost)
 
-    def _ran(self, sent: int, woken: int, cost: list[float]) -> None:
+    def _ran(self, sent: int, woken: int = 0, cost: Sequence[float] = ()) -> None:
         with self._lock:
             if woken:
                 self._per_wake.append((cost[0] + time.thread_time() - cost[1]) / woken)
@@ -370,7 +369,7 @@ class AsyncRequest(Request):
         return not self.done and not self.future.cancelled()
 
     def _wake(self) -> None:
-        _call_in_loop(self.loop, _settle, (self,))
+        call_in_loop(self.future.get_loop(), _settle, (self,))
 
     def _settle(self) -> None:
         if self.future.done():
@@ -393,11 +392,13 @@ def _settle(requests: Sequence[Any]) -> None:
         request._settle()
 
 
-def _call_in_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, arg: Any) -> None:
+def call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> bool:
+    """Call ``fn(*args)`` in ``loop``'s thread; False if the loop is closed (nobody is left to wait)."""
     try:
-        loop.call_soon_threadsafe(fn, arg)  # type: ignore[union-attr]
+        loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
-        pass  # the loop is closed: nobody is left to wait for these results
+        return False
+    return True
 
 
 def resolve(requests: Sequence[Request], keys: Sequence[Any], columns: Sequence[Sequence[Any]], relay: Relay) -> None:
@@ -435,7 +436,7 @@ def fail_all(requests: Sequence[Request], error: BaseException) -> None:
         elif request._store((), (), own):
             by_loop.setdefault(request.loop, []).append(request)
     for loop, group in by_loop.items():
-        _call_in_loop(loop, _settle, group)
+        call_in_loop(loop, _settle, group)
 
 
 def write_outputs(td: TensorDictBase, keys: Sequence[Any], values: Sequence[Any]) -> None:

@@ -38,7 +38,7 @@ from torchrl_batchserve.errors import BatchServeError, ServerBrokenError, Server
 from torchrl_batchserve.gate import GATE
 from torchrl_batchserve.intake import CURRENT
 from torchrl_batchserve.layout import request_entries
-from torchrl_batchserve.request import write_outputs
+from torchrl_batchserve.request import call_in_loop, write_outputs
 from torchrl_batchserve.transport.hub import ADMITTED, HANDSHAKE_TIMEOUT, REFUSED_BROKEN
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Lane, Slot, on_host
 from torchrl_batchserve.transport.wire import Wire, dumps
@@ -311,10 +311,7 @@ class ProcessClient:
             if loop is None:
                 self._pool().submit(_set_results, replies)
                 continue
-            try:
-                loop.call_soon_threadsafe(_set_results, replies)
-            except RuntimeError:
-                pass  # the loop is closed: nobody is left to wait
+            call_in_loop(loop, _set_results, replies)
 
     def _fail(self, failure: BaseException) -> None:
         """The server is gone or closed: every waiter gets ``failure`` (the caller holds the lock)."""
