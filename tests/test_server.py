@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -404,6 +406,23 @@ def test_a_remote_policy_of_a_policy_without_state_gives_no_primer_that_breaks_a
     assert [sorted(t.primers.keys()) for t in found if hasattr(t, "primers")] == [
         ["recurrent_state_c", "recurrent_state_h"]
     ]
+
+
+def test_serving_a_policy_without_state_does_not_import_torchrls_modules_to_look_for_primers():
+    # Looking for primers with TorchRL's get_primers_from_module imports all of torchrl.modules (about half a
+    # second and 50 MB); a policy none of whose modules makes a primer has none to find.
+    script = (
+        "import sys, torch\n"
+        "from tensordict import TensorDict\n"
+        "from tensordict.nn import TensorDictModule\n"
+        "from torchrl_batchserve import BatchedPolicyServer\n"
+        "policy = TensorDictModule(torch.nn.Linear(2, 2), in_keys=['o'], out_keys=['a'])\n"
+        "with BatchedPolicyServer(policy) as server:\n"
+        "    server.remote_policy()(TensorDict(o=torch.ones(2)))\n"
+        "print('torchrl.modules' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False"]
 
 
 def test_full_batch_and_cancelled_future_dropped():

@@ -99,6 +99,8 @@ class RemotePolicy(TensorDictModuleBase):
 
 def primers_of(policy: Any) -> Any:
     """``policy``'s ``TensorDictPrimer`` transforms (``get_primers_from_module``), or ``None``."""
+    if not any(hasattr(m, "make_tensordict_primer") for m in policy.modules()):
+        return None  # keeps no state: no need to import all of torchrl.modules (half a second, 50 MB) to say so
     from torchrl.modules.utils import get_primers_from_module
 
     return get_primers_from_module(policy, warn=False, strict=False)
