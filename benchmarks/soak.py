@@ -478,7 +478,8 @@ _INTRO = (
     "with the policy's error), one call in 7 is cancelled by its caller, and one more worker process is killed "
     "with SIGKILL a second into the run. With modes, the worker processes run under interaction types of their "
     "own (RANDOM, DETERMINISTIC), the other actors under none, and the policy adds an offset per type: a row "
-    "served under another caller's type is wrong."
+    "served under another caller's type is wrong. Entries in /dev/shm are every program's (leftovers of others "
+    "included): close must leave as many as there were before the server."
 )
 
 
