@@ -823,6 +823,44 @@ def test_a_server_actor_fails_only_the_gateway_batch_it_cannot_read():
         torch.testing.assert_close(outputs["act"], reference(None, x))
 
 
+def test_a_link_connection_that_never_proves_the_key_holds_up_no_gateway(monkeypatch):
+    # Listener.accept() checks a connection's key before it accepts the next: one that connected and said
+    # nothing kept every later gateway from connecting, for as long as it stayed open.
+    import threading
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    from torchrl_batchserve import BatchedPolicyServer, gateway
+    from torchrl_batchserve.gateway import Link, LinkListener
+
+    with BatchedPolicyServer(factory(), max_batch_size=8) as server:  # the server actor's end alone, without Ray
+        links = LinkListener(server, ["act", "policy_version"], "127.0.0.1")
+        monkeypatch.setattr(gateway, "HANDSHAKE_TIMEOUT", 600.0)
+        silent = socket.create_connection(links.address)
+        made: list[Link] = []
+        try:
+            connecting = threading.Thread(target=lambda: made.append(Link(links.address, links.authkey)), daemon=True)
+            connecting.start()
+            connecting.join(30)
+            assert made, "a gateway could not connect while another connection stayed silent"
+            x = torch.stack([observation(0, i) for i in range(2)])
+            out = made[0].submit(TensorDict(obs=x, batch_size=[2]), None).result(30)
+            torch.testing.assert_close(out["act"], reference(None, x))
+            with pytest.raises(AuthenticationError):
+                Client(links.address, authkey=b"not the key")
+            monkeypatch.setattr(gateway, "HANDSHAKE_TIMEOUT", 0.5)
+            with socket.create_connection(links.address) as brief:
+                brief.settimeout(30)
+                while brief.recv(4096):  # the challenge, then the end: hung up on once its time was up
+                    pass
+        finally:
+            silent.close()
+            links.close()
+            for link in made:
+                link._conn.close()
+    assert not [t for t in threading.enumerate() if t.name == "batchserve-link-accept"]  # close() ended it
+
+
 class Unpicklable(torch.nn.Module):
     """``factory``'s linear layer, and per row an object that does not pickle when its first input is negative."""
 

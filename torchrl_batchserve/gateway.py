@@ -2,11 +2,12 @@
 
 ::
 
-    actors of node B --shared memory--> Gateway (a BatchedPolicyServer) --Link, TCP--> serve_link (server actor)
+    actors of node B --shared memory--> Gateway (a BatchedPolicyServer) --Link, TCP--> LinkListener (server actor)
 
 A :class:`Gateway` serves a node's actors with a ``BatchedPolicyServer`` of
 its own whose policy, :class:`LinkedPolicy`, sends each batch over one
-:class:`Link` to the server actor, where :func:`serve_link` submits it as
+:class:`Link` to the server actor, whose :class:`LinkListener` admits the
+link once it proves the key, and where :func:`serve_link` submits it as
 one request of its rows (or, for a server whose collate varies feature dims,
 as the requests it holds: :class:`Unstacked`); outputs and version stamps
 come back the same way, matched by a sequence number. Each message is a small
@@ -21,11 +22,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import pickle
+import secrets
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 from typing import Any
 
 import torch
@@ -46,10 +50,23 @@ from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics
 from torchrl_batchserve.transport.wire import dumps
 
-__all__ = ["Gateway", "Link", "LinkedPolicy", "Unstacked", "outcome", "recv", "send", "serve_link"]
+__all__ = [
+    "HANDSHAKE_TIMEOUT",
+    "Gateway",
+    "Link",
+    "LinkListener",
+    "LinkedPolicy",
+    "Unstacked",
+    "outcome",
+    "recv",
+    "send",
+    "serve_link",
+]
 
 _log = logging.getLogger(__name__)
 _ROWS = "_batchserve_rows"  # an unstacked gateway batch: each request's rows (Unstacked)
+HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a new link connection has to prove the key; then it is hung up on."""
 
 
 class Gateway:
@@ -187,6 +204,78 @@ class Link:
                 waiting, self._waiting = list(self._waiting.values()), {}
             for future in waiting:  # nobody would read their replies
                 future.set_exception(own_copy(self.broken))
+
+
+class LinkListener:
+    """The server actor's end of the gateways' links: each connection that proves the key is served.
+
+    A connection proves the key (``multiprocessing``'s challenge, as
+    :class:`Link`'s ``Client`` answers it) in a thread of its own, within
+    :data:`HANDSHAKE_TIMEOUT` or it is hung up on: one that connects and says
+    nothing holds up no other gateway, as it would in ``Listener.accept``.
+
+    Args:
+        server: the server the links' batches go to (:func:`serve_link`).
+        returned: the keys a reply carries.
+        host: the address to listen on (the server actor's node).
+    """
+
+    def __init__(self, server: BatchedPolicyServer, returned: list, host: str) -> None:
+        self._server = server
+        self._returned = returned
+        self.authkey = secrets.token_bytes(16)
+        # No key here: Listener.accept() would check each connection's before it accepts the next.
+        self._listener = Listener((host, 0), backlog=128)
+        self.address = self._listener.address
+        self._closed = False
+        self._acceptor = threading.Thread(target=self._accept, name="batchserve-link-accept", daemon=True)
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return  # closed
+            if self._closed:  # close()'s knock
+                conn.close()
+                return
+            threading.Thread(target=self._admit, args=(conn,), name="batchserve-link", daemon=True).start()
+
+    def _admit(self, conn: Connection) -> None:
+        """Serve ``conn``'s batches once it proved the key in time; else hang up."""
+        shut = socket.socket(fileno=os.dup(conn.fileno()))  # the same connection, to end a read that waits
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            with contextlib.suppress(OSError):  # (the peer may have hung up already)
+                shut.shutdown(socket.SHUT_RDWR)  # the handshake's read returns: end of file
+
+        timer = threading.Timer(HANDSHAKE_TIMEOUT, expire)
+        timer.start()
+        try:
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+            admitted = True
+        except Exception:  # the wrong key, hung up, or silent past the timeout
+            admitted = False
+        finally:
+            timer.cancel()
+            timer.join()  # expire() ran whole, or will not run
+            shut.close()
+        if admitted and not expired.is_set():
+            serve_link(self._server, conn, self._returned)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        """Accept no more connections (the links being served end with the server)."""
+        self._closed = True
+        with contextlib.suppress(OSError), socket.create_connection(self.address, timeout=5):
+            pass  # ends the accept thread's accept(), which closing the listener does not (Linux)
+        self._listener.close()
+        self._acceptor.join(5)
 
 
 def serve_link(server: BatchedPolicyServer, conn: Connection, returned: list) -> None:

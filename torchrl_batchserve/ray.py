@@ -43,17 +43,14 @@ the pushing handle's last one; clients connect again on their next call.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import pickle
-import secrets
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from multiprocessing.connection import Listener
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -64,7 +61,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tensordict import TensorDict, TensorDictBase
 
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError, own_copy
-from torchrl_batchserve.gateway import Gateway, Unstacked, serve_link
+from torchrl_batchserve.gateway import Gateway, LinkListener, Unstacked
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics
@@ -425,9 +422,7 @@ class _ServerActor:
         self._returned = list(self._server.out_keys) + ([version] if version is not None else [])
         self._request_keys = list(self._server._serving.layout.keys)  # in_keys but those the collate writes
         self._variable = dict(getattr(self._server.collate, "variable_dims", None) or {})
-        self._authkey = secrets.token_bytes(16)
-        self._listener = Listener((ray.util.get_node_ip_address(), 0), authkey=self._authkey)
-        threading.Thread(target=self._accept, name="batchserve-ray-accept", daemon=True).start()
+        self._links = LinkListener(self._server, self._returned, ray.util.get_node_ip_address())
 
     def describe(self) -> dict[str, Any]:
         if self._failure is not None:
@@ -464,7 +459,7 @@ class _ServerActor:
                 }
                 if self._variable:  # rows of different shapes: each request goes on as it came
                     kwargs["collate"] = Unstacked(self._variable, self._server.collate)
-                link = (self._listener.address, self._authkey)
+                link = (self._links.address, self._links.authkey)
                 gateway: Any = (
                     ray.remote(Gateway)
                     .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
@@ -475,17 +470,6 @@ class _ServerActor:
                 except RayActorError as err:  # e.g. the node died before its gateway started
                     raise ServerBrokenError(f"the gateway of node {node} could not start: {err}") from err
             return self._gateways[node][1]
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn = self._listener.accept()
-            except OSError:
-                return  # closed
-            except Exception:  # a connection that failed the key: drop it
-                continue
-            serve = functools.partial(serve_link, self._server, conn, self._returned)
-            threading.Thread(target=serve, name="batchserve-ray-link", daemon=True).start()
 
     def version(self) -> int:
         return self._server.policy_version
@@ -511,7 +495,7 @@ class _ServerActor:
             gateways, self._gateways = list(self._gateways.values()), {}
         for gateway, _ in gateways:
             ray.kill(gateway, no_restart=True)
-        self._listener.close()
+        self._links.close()
         return self._server.close(timeout=timeout)
 
 
