@@ -26,6 +26,7 @@ import os
 import pickle
 import secrets
 import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -66,7 +67,7 @@ __all__ = [
 _log = logging.getLogger(__name__)
 _ROWS = "_batchserve_rows"  # an unstacked gateway batch: each request's rows (Unstacked)
 HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a new link connection has to prove the key; then it is hung up on."""
+"""Seconds a new link connection may stay silent while it proves the key; then it is hung up on."""
 
 
 class Gateway:
@@ -210,9 +211,10 @@ class LinkListener:
     """The server actor's end of the gateways' links: each connection that proves the key is served.
 
     A connection proves the key (``multiprocessing``'s challenge, as
-    :class:`Link`'s ``Client`` answers it) in a thread of its own, within
-    :data:`HANDSHAKE_TIMEOUT` or it is hung up on: one that connects and says
-    nothing holds up no other gateway, as it would in ``Listener.accept``.
+    :class:`Link`'s ``Client`` answers it) in a thread of its own, and is
+    hung up on when it stays silent for :data:`HANDSHAKE_TIMEOUT` meanwhile:
+    one that connects and says nothing holds up no other gateway, as it
+    would in ``Listener.accept``.
 
     Args:
         server: the server the links' batches go to (:func:`serve_link`).
@@ -244,30 +246,16 @@ class LinkListener:
 
     def _admit(self, conn: Connection) -> None:
         """Serve ``conn``'s batches once it proved the key in time; else hang up."""
-        shut = socket.socket(fileno=os.dup(conn.fileno()))  # the same connection, to end a read that waits
-        expired = threading.Event()
-
-        def expire() -> None:
-            expired.set()
-            with contextlib.suppress(OSError):  # (the peer may have hung up already)
-                shut.shutdown(socket.SHUT_RDWR)  # the handshake's read returns: end of file
-
-        timer = threading.Timer(HANDSHAKE_TIMEOUT, expire)
-        timer.start()
-        try:
-            deliver_challenge(conn, self.authkey)
-            answer_challenge(conn, self.authkey)
-            admitted = True
-        except Exception:  # the wrong key, hung up, or silent past the timeout
-            admitted = False
-        finally:
-            timer.cancel()
-            timer.join()  # expire() ran whole, or will not run
-            shut.close()
-        if admitted and not expired.is_set():
-            serve_link(self._server, conn, self._returned)
-        else:
-            conn.close()
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same connection, to set its options
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(HANDSHAKE_TIMEOUT))
+            try:
+                deliver_challenge(conn, self.authkey)
+                answer_challenge(conn, self.authkey)
+            except Exception:  # the wrong key, hung up, or silent past the timeout (a read ends with EAGAIN)
+                conn.close()
+                return
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))  # admitted: reads wait for batches
+        serve_link(self._server, conn, self._returned)
 
     def close(self) -> None:
         """Accept no more connections (the links being served end with the server)."""
@@ -276,6 +264,11 @@ class LinkListener:
             pass  # ends the accept thread's accept(), which closing the listener does not (Linux)
         self._listener.close()
         self._acceptor.join(5)
+
+
+def _timeval(seconds: float) -> bytes:
+    """``seconds`` as the ``struct timeval`` of ``SO_RCVTIMEO`` (0: no limit)."""
+    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
 
 
 def serve_link(server: BatchedPolicyServer, conn: Connection, returned: list) -> None:
