@@ -261,3 +261,9 @@ def outcomes(remote: Any, values: list[float], results: Any) -> None:
         except Exception as err:
             out.append((type(err).__name__, str(err)))
     results.put(out)
+
+
+def one_call(remote: Any, results: Any) -> None:
+    """One call (a worker's first travels pickled, and so does its reply); reports the logits' shape and sum."""
+    logits = remote(TensorDict(observation=torch.ones(8)))["logits"]
+    results.put((tuple(logits.shape), float(logits.sum())))

@@ -422,7 +422,7 @@ def test_a_remote_policy_keeps_its_server_serving_after_the_last_other_reference
 def test_a_hub_client_dropped_twice_closes_no_descriptor_that_reused_its_numbers():
     # Closing a client is idempotent: the numbers of its descriptors may be another file's by the second call.
     ours, theirs = socket.socketpair()
-    client = _Client(ours, 1)
+    client = _Client(ours, 1, on_backlog=lambda client: None)
     os.close(client.headers_fd)  # (the handshake's, once the worker has it)
     bells = {client.requests_bell, client.replies_bell}
     client.close()

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import threading
 import time
@@ -254,9 +255,37 @@ def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
     assert slot_mappings() == before
 
 
+class BigOutputs(nn.Module):
+    """A row of 2**23 floats (32 MB) a request: a reply that no socket buffer holds."""
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return observation[..., :1] + torch.zeros(observation.shape[0], 1 << 23)
+
+
+def test_a_stopped_worker_with_a_reply_too_big_for_its_socket_holds_up_no_other_caller():
+    # The serve loop wrote such a reply with a blocking sendall: until the worker read it, no other caller of
+    # the server was served, and a worker stopped for good (SIGSTOP, a debugger, a frozen container) stopped
+    # the server for good. The reply now waits in the worker's outbox, and the hub's reader sends it.
+    gated = GatedPolicy(BigOutputs(), block_first=1)
+    with BatchedPolicyServer(gated) as server:
+        results = SPAWN.Queue()
+        worker = SPAWN.Process(target=pw.one_call, args=(server.remote_policy(), results))
+        worker.start()
+        try:
+            assert gated.entered.wait(120), "the worker's request never reached the forward"
+            os.kill(worker.pid, signal.SIGSTOP)
+            gated.gate.set()  # the worker's 32 MB reply now goes to a process that reads nothing
+            local = server.submit(TensorDict(observation=torch.ones(8))).result(30)
+            assert local["logits"].shape == (1 << 23,)
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        assert report(results, [worker]) == ((1 << 23,), float(1 << 23))  # all of it, once the worker reads
+        worker.join(30)
+
+
 def test_a_slot_offered_to_a_worker_already_gone_leaks_no_descriptor():
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    client = _Client(here, ident=1)
+    client = _Client(here, ident=1, on_backlog=lambda client: None)
     os.close(client.headers_fd)  # (the handshake sends it, then closes it)
     there.close()
     client.alive = False  # a reply found the worker gone

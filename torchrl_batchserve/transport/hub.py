@@ -41,7 +41,10 @@ into a :class:`ProcessRequest` through the server's
 :class:`~torchrl_batchserve.intake.Intake`, the same checks as in-process
 callers. A request that fails in any way fails alone; if the reader itself
 dies (a bug), every worker is told and dropped, since no one would read its
-requests. Replies are written by the serve loop that completes the request.
+requests. Replies are written by the serve loop that completes the request;
+what a client's socket does not take at once waits, in order, in the client's
+outbox, which the reader sends as the socket drains: no serve loop ever waits
+on a worker (one stopped with a large reply due holds up no one).
 The reader alone closes the descriptors of the clients it reads (a worker that
 hung up, and every worker when the hub closes), so none is closed under it.
 
@@ -83,7 +86,8 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tensordict import TensorDict
@@ -106,13 +110,21 @@ ADMITTED, REFUSED_BROKEN = b"\x01", b"\x02"  # the hub's answer to a client's ke
 
 
 class _Client:
-    """A connected worker: its socket, its bells and headers, and its lanes."""
+    """A connected worker: its socket, its bells and headers, and its lanes.
 
-    def __init__(self, sock: socket.socket, ident: int) -> None:
+    Nothing waits on its socket: what the socket does not take at once waits
+    in its outbox, in order, and the reader sends it when the socket is
+    writable again (``on_backlog`` tells it). A worker that stops reading
+    (stopped, or its threads starved) holds up no serve loop.
+    """
+
+    def __init__(self, sock: socket.socket, ident: int, on_backlog: Callable[[_Client], None]) -> None:
         self.wire = Wire(sock, receives_fds=False)  # workers send no descriptors
         self.ident = ident
         self.caller = ("process", ident)
         self.send_lock = threading.Lock()
+        self.outbox: deque[tuple[memoryview, list[int]]] = deque()  # (the rest of a frame, its descriptors)
+        self._on_backlog = on_backlog
         self.requests_bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self.replies_bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         headers, self.headers_fd = Headers.create()
@@ -129,14 +141,38 @@ class _Client:
             self._send(message, fds)
 
     def _send(self, message: Any, fds: Sequence[int] = ()) -> None:
+        """Send ``message``, or queue it behind what waits; ``fds`` are closed once sent (or not to be)."""
+        if not self.alive:
+            _close_all(fds)
+            return
+        self.outbox.append((memoryview(frame(message)), list(fds)))
+        if len(self.outbox) == 1 and not self.flush_locked():
+            self._on_backlog(self)
+
+    def flush(self) -> bool:
+        """Send what waits in the outbox, as far as the socket takes it; whether it is empty."""
+        with self.send_lock:
+            return self.flush_locked()
+
+    def flush_locked(self) -> bool:
+        outbox = self.outbox
         try:
-            if self.alive:
-                self.wire.send_frame(frame(message), fds)
+            while outbox and self.alive:
+                data, fds = outbox[0]
+                sent = self.wire.send_some(data, fds)
+                if sent:
+                    _close_all(fds)  # they went with the first byte
+                    fds.clear()
+                if sent < len(data):
+                    outbox[0] = (data[sent:], fds)
+                    return False
+                outbox.popleft()
         except OSError:
             self.alive = False  # the worker is gone; the reader sees EOF too
-        finally:
-            for fd in fds:
-                os.close(fd)
+        if not self.alive:
+            while outbox:
+                _close_all(outbox.popleft()[1])
+        return True
 
     def reply(self, request: ProcessRequest) -> None:
         """Send ``request``'s outcome: its outputs in its lane, or over the socket.
@@ -194,6 +230,7 @@ class _Client:
         another file's.
         """
         self.alive = False
+        self.flush_locked()  # (dead: drops what waits, its descriptors closed)
         if self.closed:
             return
         self.closed = True
@@ -202,6 +239,11 @@ class _Client:
                 close()
             except OSError:
                 pass
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _done(seq: int, error: BaseException | None = None, values: Any = None, keys: Any = None, out: Any = None) -> tuple:
@@ -272,6 +314,7 @@ class ProcessHub:
         self._lock = threading.Lock()
         self._pending: list[_Client] = []
         self._clients: dict[int, _Client] = {}
+        self._backlogged: set[_Client] = set()  # clients whose outbox waits for their socket
         self.arrived = {"lane": 0, "socket": 0}  # requests accepted, by how they came (written by the reader only)
         self._next_id = 0
         self._closed = False
@@ -321,7 +364,7 @@ class ProcessHub:
             sock.sendall(ADMITTED)
             with self._lock:
                 self._next_id += 1
-                client = _Client(sock, self._next_id)
+                client = _Client(sock, self._next_id, self._backlog)
             client.wire.send(("bells",), fds=[client.headers_fd, client.requests_bell, client.replies_bell])
         except OSError:
             if client is not None:
@@ -364,14 +407,20 @@ class ProcessHub:
                         selector.register(client.wire, selectors.EVENT_READ, (client, self._read))
                         selector.register(client.requests_bell, selectors.EVENT_READ, (client, self._rung))
                     self._pending.clear()
-                for key, _ in selector.select():  # rung, written to, hung up, or woken
+                    backlogged, self._backlogged = self._backlogged, set()
+                for client in backlogged:  # wait for their sockets to take what waits in their outboxes
+                    if client.ident in self._clients:
+                        selector.modify(client.wire, selectors.EVENT_READ | selectors.EVENT_WRITE, (client, self._read))
+                for key, events in selector.select():  # rung, written to, writable, hung up, or woken
                     if key.data is None:
                         os.read(self._wake_r, 4096)
                         continue
                     client, handle = key.data
                     if client.ident not in self._clients:
                         continue  # dropped a moment ago, when its other descriptor was ready
-                    if not (client.alive and handle(client)):  # gone (or a reply found it gone)
+                    if events & selectors.EVENT_WRITE and client.flush():
+                        selector.modify(client.wire, selectors.EVENT_READ, key.data)  # all sent
+                    if not (client.alive and (not events & selectors.EVENT_READ or handle(client))):
                         selector.unregister(client.wire)
                         selector.unregister(client.requests_bell)
                         self._drop(client)
@@ -383,6 +432,13 @@ class ProcessHub:
             self._break(f"the server's process hub failed: {err!r}")
         finally:
             selector.close()
+
+    def _backlog(self, client: _Client) -> None:
+        """``client``'s socket took less than was sent: the reader sends the rest when it can."""
+        with self._lock:
+            if not self._closed:
+                self._backlogged.add(client)
+                os.write(self._wake_w, b"x")
 
     def _break(self, reason: str) -> None:
         """The reader died: nobody would read a worker's requests, so every worker's calls fail now."""

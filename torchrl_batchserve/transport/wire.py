@@ -122,6 +122,16 @@ class Wire:
     def send(self, message: Any, fds: Sequence[int] = ()) -> None:
         self.send_frame(frame(message), fds)
 
+    def send_some(self, data: bytes | memoryview, fds: Sequence[int] = ()) -> int:
+        """Send what the socket takes now, without waiting; how many bytes (``fds`` go with the first)."""
+        try:
+            if not fds:
+                return self.sock.send(data, socket.MSG_DONTWAIT)
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            return self.sock.sendmsg([data], anc, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+
     def read(self) -> list[Any]:
         """Read once (blocks only if nothing has arrived); return the messages completed.
 
