@@ -142,10 +142,15 @@ class _Client:
 
     def _send(self, message: Any, fds: Sequence[int] = ()) -> None:
         """Send ``message``, or queue it behind what waits; ``fds`` are closed once sent (or not to be)."""
+        try:
+            data = memoryview(frame(message))
+        except BaseException:
+            _close_all(fds)
+            raise
         if not self.alive:
             _close_all(fds)
             return
-        self.outbox.append((memoryview(frame(message)), list(fds)))
+        self.outbox.append((data, list(fds)))
         if len(self.outbox) == 1 and not self.flush_locked():
             self._on_backlog(self)
 
