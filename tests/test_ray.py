@@ -861,6 +861,44 @@ def test_a_link_connection_that_never_proves_the_key_holds_up_no_gateway(monkeyp
     assert not [t for t in threading.enumerate() if t.name == "batchserve-link-accept"]  # close() ended it
 
 
+class BigOutputs(torch.nn.Module):
+    """A row of 2**23 floats (32 MB) a request: a reply that no socket buffer holds."""
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return obs[..., :1] + torch.zeros(obs.shape[0], 1 << 23)
+
+
+def test_a_gateway_that_stops_reading_holds_up_no_other_caller_of_the_server_actor():
+    # serve_link sent each reply from the serve loop that finished its batch: a gateway that read nothing (its
+    # node cut off, its process stopped) stopped the server actor's serve loop once its socket was full.
+    import pickle
+    import threading
+    from multiprocessing.connection import Client, Listener
+
+    from conftest import wait_for
+
+    from torchrl_batchserve import BatchedPolicyServer
+    from torchrl_batchserve.gateway import recv, send, serve_link
+    from torchrl_batchserve.transport.wire import dumps
+
+    listener = Listener(("127.0.0.1", 0), authkey=b"k" * 16)
+    policy = TensorDictModule(BigOutputs(), in_keys=["obs"], out_keys=["act"])
+    with BatchedPolicyServer(policy) as server:  # the server actor's end alone, without Ray
+        thread = threading.Thread(target=lambda: serve_link(server, listener.accept(), ["act", "policy_version"]))
+        thread.start()
+        with Client(listener.address, authkey=b"k" * 16) as gateway:
+            send(gateway, (1, None, dumps(TensorDict(obs=torch.ones(1, 4), batch_size=[1]))))  # not read yet
+            wait_for(lambda: server.statistics().batches >= 1, "its batch to run (its 32 MB reply then due)", 60)
+            local = server.submit(TensorDict(obs=torch.ones(4))).result(30)  # served meanwhile
+            assert local["act"].shape == (1 << 23,)
+            seq, answer = recv(gateway)  # and the gateway gets all of its reply once it reads
+            error, outputs = pickle.loads(answer)
+            assert seq == 1 and error is None and outputs["act"].shape == (1, 1 << 23)
+            assert float(outputs["act"].sum()) == float(1 << 23)
+        thread.join(30)
+    listener.close()
+
+
 class Unpicklable(torch.nn.Module):
     """``factory``'s linear layer, and per row an object that does not pickle when its first input is negative."""
 

@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import pickle
+import queue
 import secrets
 import socket
 import struct
@@ -274,46 +275,61 @@ def _timeval(seconds: float) -> bytes:
 def serve_link(server: BatchedPolicyServer, conn: Connection, returned: list) -> None:
     """Serve one gateway's batches on ``server``, each as one request of its rows, until ``conn`` ends.
 
-    Runs in the server actor, one thread per gateway; ``returned``: the keys a
-    reply carries (the out_keys and the version stamp).
+    Runs in the server actor, one thread per gateway, and one more that sends
+    its replies: a serve loop only hands a finished batch over, and never
+    waits on a gateway that reads slowly or not at all (its node cut off, say).
+    ``returned``: the keys a reply carries (the out_keys and the version stamp).
     """
-    caller, sending = ("gateway", id(conn)), threading.Lock()
+    caller = ("gateway", id(conn))
+    replies: queue.SimpleQueue = queue.SimpleQueue()  # (seq, the batch's future or its error); None: the end
 
-    def reply(seq: int, future: Future) -> None:
-        error = future.exception()
+    def answer(outcome_of: Future | BaseException) -> bytes:
+        if isinstance(outcome_of, BaseException):
+            return outcome(outcome_of, None)
+        error = outcome_of.exception()
         # on the host: a CUDA tensor (output_device="cuda") would unpickle on the gateway's GPU, or fail there
-        outputs = None if error is not None else _each(future.result(), lambda td: td.select(*returned).cpu())
+        outputs = None if error is not None else _each(outcome_of.result(), lambda td: td.select(*returned).cpu())
         try:
-            answer = outcome(error, outputs)
+            return outcome(error, outputs)
         except Exception as err:  # outputs that do not pickle: this batch fails, not the link
-            error = PolicyError(f"the outputs do not pickle, so they cannot reach the gateway ({err!r})")
-            answer = outcome(error, None)
-        with sending, contextlib.suppress(OSError):
-            send(conn, (seq, answer))
+            return outcome(PolicyError(f"the outputs do not pickle, so they cannot reach the gateway ({err!r})"), None)
 
-    while True:
-        try:
-            seq, interaction, payload = recv(conn)
-        except (EOFError, OSError):
-            return  # the gateway (or its node) is gone: its replies have nobody to go to
-        except Exception:  # a message that cannot be read: end the link, so the gateway fails what is in flight
-            _log.exception("a gateway sent a message that cannot be read; its connection is closed")
-            conn.close()
-            return
-        try:
+    def send_replies() -> None:
+        with contextlib.suppress(OSError):  # the gateway is gone: its replies have nobody to go to
+            for seq, outcome_of in iter(replies.get, None):
+                send(conn, (seq, answer(outcome_of)))
+
+    sender = threading.Thread(target=send_replies, name="batchserve-link-replies", daemon=True)
+    sender.start()
+    try:
+        while True:
             try:
-                batch = pickle.loads(payload)  # pickled on its own: one that cannot be read fails alone
-            except Exception as err:  # an input of a class this process cannot import
-                unread = f"the gateway's batch cannot be read in the server's process: {err!r}"
-                raise BadRequestError(unread) from None
-            mode = None if interaction is None else InteractionType(interaction)
-            submit = functools.partial(server.submit, caller=caller, interaction=mode)
-            future = _all(_each(batch, submit))
-        except Exception as err:  # refused at once (closed, bad rows): this batch only
-            with sending, contextlib.suppress(OSError):
-                send(conn, (seq, outcome(err, None)))
-            continue
-        future.add_done_callback(functools.partial(reply, seq))
+                seq, interaction, payload = recv(conn)
+            except (EOFError, OSError):
+                return  # the gateway (or its node) is gone
+            except Exception:  # a message that cannot be read: end the link, so the gateway fails what is in flight
+                _log.exception("a gateway sent a message that cannot be read; its connection is closed")
+                conn.close()
+                return
+            try:
+                try:
+                    batch = pickle.loads(payload)  # pickled on its own: one that cannot be read fails alone
+                except Exception as err:  # an input of a class this process cannot import
+                    unread = f"the gateway's batch cannot be read in the server's process: {err!r}"
+                    raise BadRequestError(unread) from None
+                mode = None if interaction is None else InteractionType(interaction)
+                submit = functools.partial(server.submit, caller=caller, interaction=mode)
+                future = _all(_each(batch, submit))
+            except Exception as err:  # refused at once (closed, bad rows): this batch only
+                replies.put((seq, err))
+                continue
+            future.add_done_callback(functools.partial(_put_with, replies, seq))
+    finally:
+        replies.put(None)
+
+
+def _put_with(replies: queue.SimpleQueue, seq: int, done: Future) -> None:
+    replies.put((seq, done))
 
 
 def send(conn: Connection, message: tuple) -> None:
