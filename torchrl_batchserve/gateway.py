@@ -281,14 +281,12 @@ def serve_link(server: BatchedPolicyServer, conn: Connection, returned: list) ->
     ``returned``: the keys a reply carries (the out_keys and the version stamp).
     """
     caller = ("gateway", id(conn))
-    replies: queue.SimpleQueue = queue.SimpleQueue()  # (seq, the batch's future or its error); None: the end
+    replies: queue.SimpleQueue = queue.SimpleQueue()  # (seq, the batch's done future); None: the end
 
-    def answer(outcome_of: Future | BaseException) -> bytes:
-        if isinstance(outcome_of, BaseException):
-            return outcome(outcome_of, None)
-        error = outcome_of.exception()
+    def answer(done: Future) -> bytes:
+        error = done.exception()
         # on the host: a CUDA tensor (output_device="cuda") would unpickle on the gateway's GPU, or fail there
-        outputs = None if error is not None else _each(outcome_of.result(), lambda td: td.select(*returned).cpu())
+        outputs = None if error is not None else _each(done.result(), lambda td: td.select(*returned).cpu())
         try:
             return outcome(error, outputs)
         except Exception as err:  # outputs that do not pickle: this batch fails, not the link
@@ -296,8 +294,8 @@ def serve_link(server: BatchedPolicyServer, conn: Connection, returned: list) ->
 
     def send_replies() -> None:
         with contextlib.suppress(OSError):  # the gateway is gone: its replies have nobody to go to
-            for seq, outcome_of in iter(replies.get, None):
-                send(conn, (seq, answer(outcome_of)))
+            for seq, done in iter(replies.get, None):
+                send(conn, (seq, answer(done)))
 
     sender = threading.Thread(target=send_replies, name="batchserve-link-replies", daemon=True)
     sender.start()
@@ -321,9 +319,9 @@ def serve_link(server: BatchedPolicyServer, conn: Connection, returned: list) ->
                 submit = functools.partial(server.submit, caller=caller, interaction=mode)
                 future = _all(_each(batch, submit))
             except Exception as err:  # refused at once (closed, bad rows): this batch only
-                replies.put((seq, err))
-                continue
-            future.add_done_callback(functools.partial(_put_with, replies, seq))
+                future = Future()
+                future.set_exception(err)
+            future.add_done_callback(functools.partial(_put_with, replies, seq))  # at once if done
     finally:
         replies.put(None)
 
