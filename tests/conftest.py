@@ -50,6 +50,13 @@ def policy(net):
     return TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
 
 
+class BigOutputs(torch.nn.Module):
+    """A row of 2**23 floats (32 MB) a request: a reply that no socket buffer holds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., :1] + torch.zeros(x.shape[0], 1 << 23)
+
+
 class GatedPolicy(TensorDictModuleBase):
     """A policy whose forwards block until the test opens the gate.
 

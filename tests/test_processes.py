@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import process_workers as pw
 import pytest
 import torch
-from conftest import GatedPolicy, wait_for
+from conftest import BigOutputs, GatedPolicy, wait_for
 from tensordict import TensorDict
 from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
 from torch import nn
@@ -253,13 +253,6 @@ def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
         check_results(gated.net, out)
     gc.collect()
     assert slot_mappings() == before
-
-
-class BigOutputs(nn.Module):
-    """A row of 2**23 floats (32 MB) a request: a reply that no socket buffer holds."""
-
-    def forward(self, observation: torch.Tensor) -> torch.Tensor:
-        return observation[..., :1] + torch.zeros(observation.shape[0], 1 << 23)
 
 
 def test_a_stopped_worker_with_a_reply_too_big_for_its_socket_holds_up_no_other_caller():

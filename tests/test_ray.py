@@ -861,13 +861,6 @@ def test_a_link_connection_that_never_proves_the_key_holds_up_no_gateway(monkeyp
     assert not [t for t in threading.enumerate() if t.name == "batchserve-link-accept"]  # close() ended it
 
 
-class BigOutputs(torch.nn.Module):
-    """A row of 2**23 floats (32 MB) a request: a reply that no socket buffer holds."""
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return obs[..., :1] + torch.zeros(obs.shape[0], 1 << 23)
-
-
 def test_a_gateway_that_stops_reading_holds_up_no_other_caller_of_the_server_actor():
     # serve_link sent each reply from the serve loop that finished its batch: a gateway that read nothing (its
     # node cut off, its process stopped) stopped the server actor's serve loop once its socket was full.
@@ -875,7 +868,7 @@ def test_a_gateway_that_stops_reading_holds_up_no_other_caller_of_the_server_act
     import threading
     from multiprocessing.connection import Client, Listener
 
-    from conftest import wait_for
+    from conftest import BigOutputs, wait_for
 
     from torchrl_batchserve import BatchedPolicyServer
     from torchrl_batchserve.gateway import recv, send, serve_link
