@@ -8,6 +8,8 @@ saying so, outside one. One cluster serves the whole module.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import socket
 import sys
 import time
@@ -859,6 +861,55 @@ def test_a_link_connection_that_never_proves_the_key_holds_up_no_gateway(monkeyp
             for link in made:
                 link._conn.close()
     assert not [t for t in threading.enumerate() if t.name == "batchserve-link-accept"]  # close() ended it
+
+
+def test_a_link_sends_each_message_at_once_from_both_ends():
+    # A message is two writes (its head, then its body). With Nagle's algorithm on, the second waited for the
+    # peer's delayed ACK of the first (40 ms on Linux) at each end: 88 ms a gateway batch on loopback.
+    import threading
+
+    from torchrl_batchserve import BatchedPolicyServer, gateway
+    from torchrl_batchserve.gateway import Link, LinkListener
+
+    served = []
+
+    def serve_link(server, conn, returned):
+        served.append(conn)
+        return real_serve_link(server, conn, returned)
+
+    real_serve_link = gateway.serve_link
+    with BatchedPolicyServer(factory(), max_batch_size=8) as server, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gateway, "serve_link", serve_link)
+        links = LinkListener(server, ["act", "policy_version"], "127.0.0.1")
+        link = Link(links.address, links.authkey)
+        try:
+            x = torch.stack([observation(0, i) for i in range(2)])
+            torch.testing.assert_close(
+                link.submit(TensorDict(obs=x, batch_size=[2]), None).result(30)["act"], reference(None, x)
+            )
+            for conn in (link._conn, *served):
+                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == bytes(16)  # reads wait
+            assert len(served) == 1
+        finally:
+            links.close()
+            link._conn.close()
+    assert not [t for t in threading.enumerate() if t.name == "batchserve-link-accept"]
+
+
+def test_a_gateway_whose_server_actor_never_answers_fails_in_time_naming_the_address(monkeypatch):
+    # Client(address, authkey) waited for the key's challenge for good: a gateway's start hung with it.
+    from torchrl_batchserve import gateway
+    from torchrl_batchserve.gateway import Link
+
+    monkeypatch.setattr(gateway, "HANDSHAKE_TIMEOUT", 0.5)
+    with socket.socket() as mute:  # listens (the connection is made) and never says a word
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        address = mute.getsockname()
+        with pytest.raises(ServerBrokenError, match=re.escape(f"cannot reach the server actor's link at {address}")):
+            Link(address, b"k" * 16)
 
 
 def test_a_gateway_that_stops_reading_holds_up_no_other_caller_of_the_server_actor():

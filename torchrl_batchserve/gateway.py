@@ -31,7 +31,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from typing import Any
 
 import torch
@@ -159,7 +159,20 @@ class Link:
     """
 
     def __init__(self, address: Any, authkey: bytes) -> None:
-        self._conn = Client(address, authkey=authkey)
+        try:  # each step bounded: a port its node cannot reach, or a server actor that never answers
+            sock = socket.create_connection(address, timeout=HANDSHAKE_TIMEOUT)
+            sock.settimeout(None)
+            self._conn = Connection(sock.detach())
+            try:
+                _handshake(self._conn, authkey, answer_challenge, deliver_challenge)  # as Client(authkey=) does
+            except BaseException:
+                self._conn.close()
+                raise
+        except OSError as err:
+            raise ServerBrokenError(
+                f"the gateway cannot reach the server actor's link at {address} ({err!r}): its node must reach "
+                "that port of the server actor's node"
+            ) from err
         self._lock = threading.Lock()
         self._seq = 0
         self._waiting: dict[int, Future] = {}
@@ -212,7 +225,7 @@ class LinkListener:
     """The server actor's end of the gateways' links: each connection that proves the key is served.
 
     A connection proves the key (``multiprocessing``'s challenge, as
-    :class:`Link`'s ``Client`` answers it) in a thread of its own, and is
+    :class:`Link` answers it) in a thread of its own, and is
     hung up on when it stays silent for :data:`HANDSHAKE_TIMEOUT` meanwhile:
     one that connects and says nothing holds up no other gateway, as it
     would in ``Listener.accept``.
@@ -247,15 +260,11 @@ class LinkListener:
 
     def _admit(self, conn: Connection) -> None:
         """Serve ``conn``'s batches once it proved the key in time; else hang up."""
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same connection, to set its options
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(HANDSHAKE_TIMEOUT))
-            try:
-                deliver_challenge(conn, self.authkey)
-                answer_challenge(conn, self.authkey)
-            except Exception:  # the wrong key, hung up, or silent past the timeout (a read ends with EAGAIN)
-                conn.close()
-                return
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))  # admitted: reads wait for batches
+        try:
+            _handshake(conn, self.authkey, deliver_challenge, answer_challenge)
+        except Exception:  # the wrong key, hung up, or silent past the timeout (a read ends with EAGAIN)
+            conn.close()
+            return
         serve_link(self._server, conn, self._returned)
 
     def close(self) -> None:
@@ -265,6 +274,21 @@ class LinkListener:
             pass  # ends the accept thread's accept(), which closing the listener does not (Linux)
         self._listener.close()
         self._acceptor.join(5)
+
+
+def _handshake(conn: Connection, authkey: bytes, *steps: Callable[[Connection, bytes], None]) -> None:
+    """Prove ``authkey`` on a new link connection by ``steps``, each read bounded by :data:`HANDSHAKE_TIMEOUT`.
+
+    Then no read times out, and each write goes at once: a message is two
+    writes (:func:`send`), and with Nagle's algorithm the second would wait
+    for the peer's ACK of the first, which Linux delays by up to 40 ms.
+    """
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same connection, to set its options
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(HANDSHAKE_TIMEOUT))
+        for step in steps:
+            step(conn, authkey)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _timeval(seconds: float) -> bytes:
