@@ -79,10 +79,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _wait(work: Any) -> None:
-    work.wait()
-
-
 def _layout(weights: TensorDictBase) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return [(_name(k), tuple(v.shape), v.dtype) for k, v in _leaves(weights)]
 
@@ -146,10 +142,10 @@ class WeightBroadcaster:
                 buffers = list(_flat(weights).values())
                 self._announce()
                 header = torch.tensor([_PUSH, len(meta)], dtype=torch.long)
-                _wait(self._group.broadcast(header, 0))
-                _wait(self._group.broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8), 0))
+                self._group.broadcast(header, 0).wait()
+                self._group.broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8), 0).wait()
                 status = torch.zeros(1, dtype=torch.long)
-                _wait(self._group.allreduce([status], dist.AllreduceOptions()))
+                self._group.allreduce([status], dist.AllreduceOptions()).wait()
                 if int(status) != 0:
                     reasons = []
                     for rank in range(1, self.world_size):
@@ -158,7 +154,7 @@ class WeightBroadcaster:
                             reasons.append(f"server rank {rank}: {self._store.get(key).decode()}")
                     raise WeightSyncError(f"version {version} rejected, no server changed: {'; '.join(reasons)}")
                 for buffer in buffers:
-                    _wait(self._group.broadcast(buffer.view(torch.uint8), 0))
+                    self._group.broadcast(buffer.view(torch.uint8), 0).wait()
             except WeightSyncError:
                 raise
             except Exception as err:
@@ -175,7 +171,7 @@ class WeightBroadcaster:
         with self._lock:
             try:
                 self._announce()
-                _wait(self._group.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), 0))
+                self._group.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), 0).wait()
             except Exception:
                 pass
 
@@ -231,29 +227,27 @@ class WeightReceiver:
 
     def _receive_one(self) -> bool:
         header = torch.zeros(2, dtype=torch.long)
-        _wait(self._group.broadcast(header, 0))
+        self._group.broadcast(header, 0).wait()
         kind, size = int(header[0]), int(header[1])
         if kind == _STOP:
             return False
         meta_bytes = torch.zeros(size, dtype=torch.uint8)
-        _wait(self._group.broadcast(meta_bytes, 0))
+        self._group.broadcast(meta_bytes, 0).wait()
         meta = pickle.loads(meta_bytes.numpy().tobytes())
         version, layout = meta["version"], self._served_names(meta["layout"])
         problem = self._check(version, layout)
         if problem is not None:
             self._store.set(f"error/{version}/{self.rank}", problem)
         status = torch.tensor([0 if problem is None else 1], dtype=torch.long)
-        _wait(self._group.allreduce([status], dist.AllreduceOptions()))
+        self._group.allreduce([status], dist.AllreduceOptions()).wait()
         if int(status) != 0:
             return True  # rejected by someone: nothing moves, keep serving
         buffers: dict[torch.dtype, torch.Tensor] = {}
         for _, shape, dtype in layout:
-            n = 1
-            for d in shape:
-                n *= d
+            n = math.prod(shape)
             buffers[dtype] = torch.empty(buffers[dtype].numel() + n if dtype in buffers else n, dtype=dtype)
         for buffer in buffers.values():
-            _wait(self._group.broadcast(buffer.view(torch.uint8), 0))
+            self._group.broadcast(buffer.view(torch.uint8), 0).wait()
         try:
             self._shadow.stage(self._unflatten(layout, buffers), version)
         except Exception as err:  # a push in this process staged a newer version meanwhile; out of memory
@@ -287,9 +281,7 @@ class WeightReceiver:
         offsets = dict.fromkeys(buffers, 0)
         out = TensorDict()
         for name, shape, dtype in layout:
-            n = 1
-            for d in shape:
-                n *= d
+            n = math.prod(shape)
             start = offsets[dtype]
             if name is not None:
                 out.set(tuple(name.split(".")), buffers[dtype][start : start + n].view(shape))

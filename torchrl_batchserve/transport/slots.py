@@ -14,6 +14,7 @@ would have said.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from collections.abc import Sequence
@@ -65,10 +66,7 @@ class SlotField(NamedTuple):
 
 
 def _row_bytes(dtype: torch.dtype, feature: tuple[int, ...]) -> int:
-    n = 1
-    for d in feature:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+    return math.prod(feature) * dtype.itemsize
 
 
 class Slot:
