@@ -408,16 +408,17 @@ def test_a_remote_policy_of_a_policy_without_state_gives_no_primer_that_breaks_a
     ]
 
 
-def test_serving_a_policy_without_state_does_not_import_torchrls_modules_to_look_for_primers():
-    # Looking for primers with TorchRL's get_primers_from_module imports all of torchrl.modules (about half a
-    # second and 50 MB); a policy none of whose modules makes a primer has none to find.
+@pytest.mark.parametrize("cache", ["None", "EvaluationCache()"])
+def test_serving_a_policy_of_no_torchrl_module_does_not_import_torchrls_modules_to_look_for_any(cache):
+    # Looking for primers with TorchRL's get_primers_from_module, or for exploration modules that the cache must
+    # not answer, imported all of torchrl.modules (about half a second and 50 MB) for a policy that has none.
     script = (
         "import sys, torch\n"
         "from tensordict import TensorDict\n"
         "from tensordict.nn import TensorDictModule\n"
-        "from torchrl_batchserve import BatchedPolicyServer\n"
+        "from torchrl_batchserve import BatchedPolicyServer, EvaluationCache\n"
         "policy = TensorDictModule(torch.nn.Linear(2, 2), in_keys=['o'], out_keys=['a'])\n"
-        "with BatchedPolicyServer(policy) as server:\n"
+        f"with BatchedPolicyServer(policy, cache={cache}) as server:\n"
         "    server.remote_policy()(TensorDict(o=torch.ones(2)))\n"
         "print('torchrl.modules' in sys.modules)\n"
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -57,9 +58,11 @@ def sampling_modes(policy: nn.Module) -> frozenset[InteractionType | None]:
     module whose ``default_interaction_type`` is ``RANDOM``, or a TorchRL
     exploration module (they explore when no type is set).
     """
-    from torchrl.modules import AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule
+    exploring: tuple[type, ...] = ()
+    if "torchrl.modules" in sys.modules:  # else no module of it exists here, and importing it costs 50 MB
+        from torchrl.modules import AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule
 
-    exploring = (AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule)
+        exploring = (AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule)
     unless_told = any(
         isinstance(m, exploring) or getattr(m, "default_interaction_type", None) == InteractionType.RANDOM
         for m in policy.modules()
