@@ -29,6 +29,7 @@ network.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import sys
@@ -86,9 +87,18 @@ def searcher(env: Any, policy: Any, searchers: int, virtual_loss: float, seed: i
 
 
 def throughput(
-    games: int, searchers: int, seconds: float, simulations: int, weights: Path | None, forward_ms: float
+    games: int,
+    searchers: int,
+    seconds: float,
+    simulations: int,
+    weights: Path | None,
+    forward_ms: float,
+    tasks: bool = False,
 ) -> dict:
-    """Self-play moves for ``seconds``: ``games`` game threads, ``searchers`` walks per tree."""
+    """Self-play moves for ``seconds``: ``games`` game threads, ``searchers`` walks per tree.
+
+    ``tasks``: the walks are asyncio tasks (``arun``, an event loop per game thread), not threads (``run``).
+    """
     env = example.ConnectFourEnv()
     rows = example.Counter()
     with BatchedPolicyServer(make_policy(weights, forward_ms), max_batch_size=1024, timeout=0.002) as server:
@@ -102,7 +112,10 @@ def throughput(
                 while time.perf_counter() < deadline:
                     tree = search.tree(env.reset())
                     while tree.root.terminal is None and time.perf_counter() < deadline:
-                        out = search.run(tree, simulations, noise=True)
+                        if tasks:
+                            out = asyncio.run(search.arun(tree, simulations, noise=True))
+                        else:
+                            out = search.run(tree, simulations, noise=True)
                         moves.add()
                         tree = search.advance(tree, int(out["action"]))
 
@@ -206,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test")
     parser.add_argument("--seconds", type=float, default=20.0, help="per throughput setting")
-    parser.add_argument("--games", type=int, default=16, help="strength games per setting")
+    parser.add_argument("--games", type=int, default=16, help="strength games per setting (0: no strength games)")
+    parser.add_argument("--tasks", action="store_true", help="walks as asyncio tasks (arun), not threads (run)")
     parser.add_argument("--simulations", type=int, default=64, help="per move, both measurements")
     parser.add_argument("--forward-ms", type=float, default=5.0, help="the fixed forward cost of the second grid")
     parser.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS)
@@ -223,10 +237,14 @@ def main(argv: list[str] | None = None) -> dict:
     for forward_ms in (0.0, args.forward_ms):
         for games in (1, 16):
             for searchers in (1, 4, 16, 64):
-                grid.append(throughput(games, searchers, args.seconds, args.simulations, args.weights, forward_ms))
+                grid.append(
+                    throughput(games, searchers, args.seconds, args.simulations, args.weights, forward_ms, args.tasks)
+                )
                 print(json.dumps(grid[-1]))
     matches = []
-    for searchers, vl in ((1, 0.0), (4, 0.0), (4, 1.0), (4, 3.0), (16, 0.0), (16, 1.0), (16, 3.0)):
+    for searchers, vl in (
+        ((1, 0.0), (4, 0.0), (4, 1.0), (4, 3.0), (16, 0.0), (16, 1.0), (16, 3.0)) if args.games else ()
+    ):
         matches.append(strength(searchers, vl, args.games, args.simulations, args.weights))
         print(json.dumps(matches[-1]))
     stem = "benchmarks_mcts_quick" if args.quick else "benchmarks_mcts"
@@ -242,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         provenance("mcts.py", args) + f" Weights: {weights}; {args.simulations} simulations per move.",
         "",
-        f"## Throughput ({args.seconds:g} s of self-play moves per setting, virtual loss 1, no cache)",
+        f"## Throughput ({args.seconds:g} s of self-play moves per setting, virtual loss 1, no cache, "
+        + ("walks as asyncio tasks, `arun`)" if args.tasks else "walks as threads, `run`)"),
         "",
         "| forward | games at once | searchers per tree | leaf evaluations/s | moves/s | mean batch rows |",
         "|---|---:|---:|---:|---:|---:|",
@@ -252,12 +271,18 @@ def main(argv: list[str] | None = None) -> dict:
             for r in grid
         ),
         "",
-        f"## Strength against plain MCTS ({args.games} games per setting, colours alternating)",
-        "",
-        "| searchers per tree | virtual loss | score (wins + ½ draws) |",
-        "|---:|---:|---:|",
-        *(f"| {m['searchers']} | {m['virtual_loss']:g} | {m['score']:.0%} |" for m in matches),
-        "",
+        *(
+            [
+                f"## Strength against plain MCTS ({args.games} games per setting, colours alternating)",
+                "",
+                "| searchers per tree | virtual loss | score (wins + ½ draws) |",
+                "|---:|---:|---:|",
+                *(f"| {m['searchers']} | {m['virtual_loss']:g} | {m['score']:.0%} |" for m in matches),
+                "",
+            ]
+            if matches
+            else []
+        ),
         f"![throughput and strength]({stem}.png)",
     ]
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
