@@ -898,18 +898,25 @@ def test_a_link_sends_each_message_at_once_from_both_ends():
     assert not [t for t in threading.enumerate() if t.name == "batchserve-link-accept"]
 
 
-def test_a_gateway_whose_server_actor_never_answers_fails_in_time_naming_the_address(monkeypatch):
+def test_a_gateway_whose_server_actor_never_answers_or_hangs_up_fails_in_time_naming_the_address(monkeypatch):
     # Client(address, authkey) waited for the key's challenge for good: a gateway's start hung with it.
+    import threading
+
     from torchrl_batchserve import gateway
     from torchrl_batchserve.gateway import Link
 
     monkeypatch.setattr(gateway, "HANDSHAKE_TIMEOUT", 0.5)
-    with socket.socket() as mute:  # listens (the connection is made) and never says a word
-        mute.bind(("127.0.0.1", 0))
-        mute.listen()
-        address = mute.getsockname()
-        with pytest.raises(ServerBrokenError, match=re.escape(f"cannot reach the server actor's link at {address}")):
-            Link(address, b"k" * 16)
+    for hangs_up in (False, True):
+        with socket.socket() as listener:  # the connection is made; then not a word, or the end
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            if hangs_up:
+                threading.Thread(target=lambda: listener.accept()[0].close(), daemon=True).start()
+            address = listener.getsockname()
+            with pytest.raises(
+                ServerBrokenError, match=re.escape(f"cannot reach the server actor's link at {address}")
+            ):
+                Link(address, b"k" * 16)
 
 
 def test_a_gateway_that_stops_reading_holds_up_no_other_caller_of_the_server_actor():

@@ -168,7 +168,7 @@ class Link:
             except BaseException:
                 self._conn.close()
                 raise
-        except OSError as err:
+        except (OSError, EOFError) as err:  # EOFError: hung up on mid-handshake
             raise ServerBrokenError(
                 f"the gateway cannot reach the server actor's link at {address} ({err!r}): its node must reach "
                 "that port of the server actor's node"
