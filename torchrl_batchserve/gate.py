@@ -17,6 +17,10 @@ if TYPE_CHECKING:  # a forward's owner; its ``broken`` is all the gate reads
 __all__ = ["GATE", "InteractionGate"]
 
 
+class _Forwards(threading.local):
+    depth = 0  # how many forwards this thread is inside (a class default: no exception for a new thread)
+
+
 class InteractionGate:
     """Forwards under one interaction type run together; under another, after them.
 
@@ -45,7 +49,7 @@ class InteractionGate:
         self._waiting = 0
         self._setting: set_interaction_type | None = None
         self._found: Any = None  # the type a run's setting replaced
-        self._forwards = threading.local()  # how many forwards this thread is inside
+        self._forwards = _Forwards()
 
     @contextlib.contextmanager
     def under(self, mode: Any, owner: Serving, nested: bool = False) -> Iterator[None]:
@@ -72,7 +76,7 @@ class InteractionGate:
                     self._setting.__enter__()
             self._running[owner] = self._running.get(owner, 0) + 1
         forwards = self._forwards
-        forwards.depth = getattr(forwards, "depth", 0) + 1
+        forwards.depth += 1
         try:
             yield
         finally:
@@ -95,7 +99,7 @@ class InteractionGate:
 
     def inside(self) -> bool:
         """Whether this thread is running a forward (a request it makes now is part of it)."""
-        return getattr(self._forwards, "depth", 0) > 0
+        return self._forwards.depth > 0
 
     def callers_mode(self) -> Any:
         """The type a caller of this process is under: the one in effect, or the one a running forward's replaced.
