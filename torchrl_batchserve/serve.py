@@ -53,12 +53,17 @@ _log = logging.getLogger(__name__)
 
 Outcome = tuple[list[Request], Any, BaseException | None]  # (requests, their columns, or the error they get)
 
-_LOOP_THREAD = threading.local()  # ``serving``: the Serving whose serve loop the thread runs
+
+class _LoopThread(threading.local):
+    serving: Serving | None = None  # the Serving whose serve loop the thread runs (a class default: no exception)
+
+
+_LOOP_THREAD = _LoopThread()
 
 
 def in_serve_loop(serving: Serving) -> bool:
     """Whether the calling thread runs a serve loop of ``serving`` (e.g. a submit's done-callback, run there)."""
-    return getattr(_LOOP_THREAD, "serving", None) is serving
+    return _LOOP_THREAD.serving is serving
 
 
 def _refs(value: Any) -> int:
