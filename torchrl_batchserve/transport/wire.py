@@ -84,6 +84,12 @@ def frame(message: Any) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
+def _rights(fds: Sequence[int]) -> list[tuple[int, int, array.array]]:
+    """The ancillary data that passes ``fds`` (at most :data:`MAX_FDS`) with a message's first byte."""
+    assert len(fds) <= MAX_FDS
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+
+
 class Wire:
     """One end of a connected Unix stream socket, read and written as whole messages.
 
@@ -114,8 +120,7 @@ class Wire:
         if not fds:
             self.sock.sendall(data)
             return
-        assert len(fds) <= MAX_FDS
-        sent = self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        sent = self.sock.sendmsg([data], _rights(fds))
         if sent < len(data):
             self.sock.sendall(data[sent:])
 
@@ -127,8 +132,7 @@ class Wire:
         try:
             if not fds:
                 return self.sock.send(data, socket.MSG_DONTWAIT)
-            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-            return self.sock.sendmsg([data], anc, socket.MSG_DONTWAIT)
+            return self.sock.sendmsg([data], _rights(fds), socket.MSG_DONTWAIT)
         except BlockingIOError:
             return 0
 
