@@ -950,6 +950,66 @@ def test_a_gateway_that_stops_reading_holds_up_no_other_caller_of_the_server_act
     listener.close()
 
 
+def test_a_gateway_starting_on_one_node_holds_up_no_other_nodes_connect_and_one_closed_meanwhile_is_stopped(
+    monkeypatch,
+):
+    # connect held one lock while a gateway started (a new worker process on its node: seconds), so every other
+    # node's first call waited for it; and a gateway that started after close() was left running.
+    import threading
+    import types
+
+    from torchrl_batchserve import ray as batchserve_ray
+    from torchrl_batchserve.errors import ServerClosedError
+
+    release, entered, killed, started = threading.Event(), threading.Event(), [], []
+
+    def start_gateway(node):
+        started.append(node)
+        if node == "slow":
+            entered.set()
+            assert release.wait(30)
+        return f"gateway-{node}", f"policy-{node}"
+
+    monkeypatch.setattr(batchserve_ray.ray, "kill", lambda actor, no_restart: killed.append(actor))
+    monkeypatch.setattr(batchserve_ray, "_healthy", lambda gateway: True)
+    actor = batchserve_ray._ServerActor.__new__(batchserve_ray._ServerActor)  # its connect and close, without Ray
+    actor.__dict__.update(
+        _waiting_for_weights=False,
+        _node="server",
+        _policy="policy-server",
+        _server=types.SimpleNamespace(closed=False, close=lambda timeout: True),
+        _links=types.SimpleNamespace(close=lambda: None),
+        _gateways={},
+        _starting={},
+        _closed=False,
+        _lock=threading.Lock(),
+        _start_gateway=start_gateway,
+    )
+    outcome = []
+    slow = threading.Thread(target=lambda: outcome.append(_outcome(actor.connect, "slow")))
+    slow.start()
+    assert entered.wait(30)
+    fast = threading.Thread(target=lambda: outcome.append(_outcome(actor.connect, "fast")))
+    fast.start()
+    fast.join(30)
+    assert not fast.is_alive() and outcome == ["policy-fast"]  # while the slow node's gateway still starts
+    assert actor.connect("fast") == "policy-fast" and actor.connect("server") == "policy-server"
+    assert started == ["slow", "fast"]  # a node's gateway is started once
+    actor.close(1.0)
+    assert killed == ["gateway-fast"]
+    release.set()
+    slow.join(30)
+    assert isinstance(outcome[1], ServerClosedError)  # its gateway started after the close: stopped, not served
+    assert killed == ["gateway-fast", "gateway-slow"]
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as err:
+        return err
+
+
 class Unpicklable(torch.nn.Module):
     """``factory``'s linear layer, and per row an object that does not pickle when its first input is negative."""
 

@@ -414,7 +414,9 @@ class _ServerActor:
         self._node = context.get_node_id()
         self._gateway_depth = gateway_depth
         self._gateways: dict[str, tuple[Any, RemotePolicy]] = {}
-        self._lock = threading.Lock()
+        self._starting: dict[str, threading.Lock] = {}  # per node: held while its gateway is checked or started
+        self._closed = False
+        self._lock = threading.Lock()  # guards the three above
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Ray's own property calls a deprecated one of Ray's
             self._waiting_for_weights = bool(context.was_current_actor_reconstructed)
@@ -446,30 +448,48 @@ class _ServerActor:
         if node == self._node:
             return self._policy
         with self._lock:
-            if node in self._gateways and not _healthy(self._gateways[node][0]):
-                ray.kill(self._gateways.pop(node)[0], no_restart=True)  # its link broke: a new one replaces it
-            if node not in self._gateways:
-                kwargs: dict[str, Any] = {
-                    "max_batch_size": self._server.max_batch_size,
-                    "timeout": self._server.timeout,
-                    "cost_fn": self._server.cost_fn,  # a gateway batch fits max_batch_cost here too
-                    "max_batch_cost": self._server.max_batch_cost,
-                    "device": ["cpu"] * self._gateway_depth,  # one serve loop per batch in flight
-                    "policy_version_key": None,  # the server's stamps come through as outputs
-                }
-                if self._variable:  # rows of different shapes: each request goes on as it came
-                    kwargs["collate"] = Unstacked(self._variable, self._server.collate)
-                link = (self._links.address, self._links.authkey)
-                gateway: Any = (
-                    ray.remote(Gateway)
-                    .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                    .remote(link, self._request_keys, self._returned, kwargs)
-                )
-                try:
-                    self._gateways[node] = (gateway, ray.get(gateway.remote_policy.remote()))
-                except RayActorError as err:  # e.g. the node died before its gateway started
-                    raise ServerBrokenError(f"the gateway of node {node} could not start: {err}") from err
-            return self._gateways[node][1]
+            starting = self._starting.setdefault(node, threading.Lock())
+        with starting:  # one gateway start per node at a time; other nodes' connects go on meanwhile
+            with self._lock:
+                entry = self._gateways.get(node)
+            if entry is not None:
+                if _healthy(entry[0]):
+                    return entry[1]
+                with self._lock:
+                    self._gateways.pop(node, None)
+                ray.kill(entry[0], no_restart=True)  # its link broke: a new one replaces it
+            gateway, policy = self._start_gateway(node)
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._gateways[node] = (gateway, policy)
+            if closed:  # close() ran while it started: it has no gateway to stop but this one
+                ray.kill(gateway, no_restart=True)
+                raise ServerClosedError("the server is closed and accepts no more requests")
+            return policy
+
+    def _start_gateway(self, node: str) -> tuple[Any, RemotePolicy]:
+        """A gateway actor on ``node``, started, and its policy."""
+        kwargs: dict[str, Any] = {
+            "max_batch_size": self._server.max_batch_size,
+            "timeout": self._server.timeout,
+            "cost_fn": self._server.cost_fn,  # a gateway batch fits max_batch_cost here too
+            "max_batch_cost": self._server.max_batch_cost,
+            "device": ["cpu"] * self._gateway_depth,  # one serve loop per batch in flight
+            "policy_version_key": None,  # the server's stamps come through as outputs
+        }
+        if self._variable:  # rows of different shapes: each request goes on as it came
+            kwargs["collate"] = Unstacked(self._variable, self._server.collate)
+        link = (self._links.address, self._links.authkey)
+        gateway: Any = (
+            ray.remote(Gateway)
+            .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            .remote(link, self._request_keys, self._returned, kwargs)
+        )
+        try:
+            return gateway, ray.get(gateway.remote_policy.remote())
+        except RayActorError as err:  # e.g. the node died before its gateway started
+            raise ServerBrokenError(f"the gateway of node {node} could not start: {err}") from err
 
     def version(self) -> int:
         return self._server.policy_version
@@ -492,6 +512,7 @@ class _ServerActor:
 
     def close(self, timeout: float) -> bool:
         with self._lock:
+            self._closed = True
             gateways, self._gateways = list(self._gateways.values()), {}
         for gateway, _ in gateways:
             ray.kill(gateway, no_restart=True)
