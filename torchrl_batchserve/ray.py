@@ -199,7 +199,10 @@ class RayServer:
         return _ask(self.actor, "statistics", since)
 
     def gateway_statistics(self) -> dict[str, ServerStatistics]:
-        """Each gateway's statistics, by node id: how its node's requests batch before they travel."""
+        """Each live gateway's statistics, by node id: how its node's requests batch before they travel.
+
+        A gateway whose node died (or that no longer answers) is left out.
+        """
         return _ask(self.actor, "gateway_statistics")
 
     def close(self, timeout: float = 30.0) -> bool:
@@ -507,8 +510,14 @@ class _ServerActor:
 
     def gateway_statistics(self) -> dict[str, ServerStatistics]:
         with self._lock:
-            gateways = dict(self._gateways)
-        return dict(zip(gateways, ray.get([g.statistics.remote() for g, _ in gateways.values()])))
+            asked = {node: gateway.statistics.remote() for node, (gateway, _) in self._gateways.items()}
+        out = {}
+        for node, answer in asked.items():
+            try:
+                out[node] = ray.get(answer, timeout=CONNECT_TIMEOUT)
+            except (RayActorError, GetTimeoutError):  # its node died (or it no longer answers): no statistics
+                continue
+        return out
 
     def close(self, timeout: float) -> bool:
         with self._lock:
