@@ -242,9 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 print(json.dumps(grid[-1]))
     matches = []
-    for searchers, vl in (
-        ((1, 0.0), (4, 0.0), (4, 1.0), (4, 3.0), (16, 0.0), (16, 1.0), (16, 3.0)) if args.games else ()
-    ):
+    settings = ((1, 0.0), (4, 0.0), (4, 1.0), (4, 3.0), (16, 0.0), (16, 1.0), (16, 3.0))
+    for searchers, vl in settings if args.games else ():
         matches.append(strength(searchers, vl, args.games, args.simulations, args.weights))
         print(json.dumps(matches[-1]))
     stem = "benchmarks_mcts_quick" if args.quick else "benchmarks_mcts"
@@ -271,20 +270,17 @@ def main(argv: list[str] | None = None) -> dict:
             for r in grid
         ),
         "",
-        *(
-            [
-                f"## Strength against plain MCTS ({args.games} games per setting, colours alternating)",
-                "",
-                "| searchers per tree | virtual loss | score (wins + ½ draws) |",
-                "|---:|---:|---:|",
-                *(f"| {m['searchers']} | {m['virtual_loss']:g} | {m['score']:.0%} |" for m in matches),
-                "",
-            ]
-            if matches
-            else []
-        ),
-        f"![throughput and strength]({stem}.png)",
     ]
+    if matches:
+        lines += [
+            f"## Strength against plain MCTS ({args.games} games per setting, colours alternating)",
+            "",
+            "| searchers per tree | virtual loss | score (wins + ½ draws) |",
+            "|---:|---:|---:|",
+            *(f"| {m['searchers']} | {m['virtual_loss']:g} | {m['score']:.0%} |" for m in matches),
+            "",
+        ]
+    lines.append(f"![throughput and strength]({stem}.png)")
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return {"throughput": grid, "strength": matches}
