@@ -332,7 +332,7 @@ def test_workers_waiting_on_a_dead_server_process_get_broken_error():
     caller.join(30)
     assert not caller.is_alive() and outcome and "ended" in str(outcome[0])
     host.join(10)
-    with pytest.raises(ServerClosedError):
+    with pytest.raises(ServerBrokenError, match="broken: the server's process ended"):  # later calls: the same class
         remote(TensorDict(observation=torch.ones(8)))
 
 

@@ -108,6 +108,10 @@ class ProcessClient:
 
     def _connection(self) -> Wire:
         if self._closed:
+            if isinstance(self._failure, ServerBrokenError):  # died or broke, not closed: as an in-process call says
+                error = ServerBrokenError(f"the server is broken: {self._failure}")
+                error.__cause__ = self._failure
+                raise error
             raise ServerClosedError("the server is closed and accepts no more requests")
         if self._conn is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
