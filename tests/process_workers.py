@@ -74,9 +74,11 @@ class Blocking(nn.Module):
         return observation
 
 
-def serve_then_hang(pickled: Any, entered: Any) -> None:
-    """A server in its own process: hands out a pickled RemotePolicy, then blocks in its forward."""
-    policy = TensorDictModule(Blocking(entered), in_keys=["observation"], out_keys=["logits"])
+def serve_then_hang(pickled: Any, entered: Any = None) -> None:
+    """A server in its own process: hands out a pickled RemotePolicy and serves; with ``entered``, its forward
+    blocks (and sets it)."""
+    module = make_net() if entered is None else Blocking(entered)
+    policy = TensorDictModule(module, in_keys=["observation"], out_keys=["logits"])
     server = BatchedPolicyServer(policy).start()
     pickled.put(pickle.dumps(server.remote_policy()))
     while True:

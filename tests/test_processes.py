@@ -336,6 +336,29 @@ def test_workers_waiting_on_a_dead_server_process_get_broken_error():
         remote(TensorDict(observation=torch.ones(8)))
 
 
+@pytest.mark.parametrize("rows", [1, 3], ids=["lane", "pickled"])
+def test_a_worker_idle_when_its_server_process_died_gets_broken_error_on_its_next_call(rows):
+    pickled = SPAWN.Queue()
+    host = SPAWN.Process(target=pw.serve_then_hang, args=(pickled,))
+    host.start()
+    remote = pickle.loads(report(pickled, [host]))
+    remote(TensorDict(observation=torch.ones(8)))  # connected, with a lane of one row
+    pw.kill(host.pid)
+    host.join(10)
+    with pytest.raises(ServerBrokenError, match="process ended"):  # three rows fit no lane: they travel pickled
+        remote(TensorDict(observation=torch.ones(rows, 8), batch_size=[rows]))
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["lane", "pickled"])
+def test_a_worker_idle_when_its_server_closed_gets_closed_error_on_its_next_call(policy, rows):
+    server = BatchedPolicyServer(policy)
+    remote = pickle.loads(pickle.dumps(server.remote_policy()))  # a client of the hub, as in a worker
+    remote(TensorDict(observation=torch.ones(8)))
+    assert server.close(timeout=10)
+    with pytest.raises(ServerClosedError, match="closed before this request ran"):
+        remote(TensorDict(observation=torch.ones(rows, 8), batch_size=[rows]))
+
+
 def test_a_hub_reader_that_dies_fails_every_worker_instead_of_leaving_it_waiting(policy, monkeypatch):
     def bug(self, client):
         raise RuntimeError("a bug in the reader")

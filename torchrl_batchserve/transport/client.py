@@ -215,6 +215,8 @@ class ProcessClient:
                 else:
                     payload = dumps(td.select(*self.in_keys))
                     conn.send(("req", seq, None if mode is None else mode.value, payload))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the hub's end is shut: its last word ("closed"), or the end of the socket, answers it
             except OSError as err:
                 self._closed = True
                 raise ServerClosedError(f"the server is closed or gone ({err})") from err
