@@ -332,10 +332,11 @@ class RayEndpoint:
     def _failed(self, policy: RemotePolicy, error: BaseException) -> BaseException:
         """What a call that lost its hub raises: asked of the server actor when the hub only looked closed.
 
-        A hub that is gone reads as closed to a client that finds its socket
-        shut before it reads the hub's last word. Whether the server was
-        closed or died (or the node's gateway went) is the server actor's to
-        say: reconnecting tells it, and readies the next call.
+        A client that cannot reach its hub at all (the socket of a gateway
+        that died, say) cannot tell a closed server from a gone one, and says
+        "closed or gone". Whether the server was closed or died (or the
+        node's gateway went) is the server actor's to say: reconnecting tells
+        it, and readies the next call.
         """
         self._forget(policy)
         if isinstance(error, ServerClosedError):
