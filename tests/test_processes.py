@@ -347,6 +347,9 @@ def test_a_worker_idle_when_its_server_process_died_gets_broken_error_on_its_nex
     host.join(10)
     with pytest.raises(ServerBrokenError, match="process ended"):  # three rows fit no lane: they travel pickled
         remote(TensorDict(observation=torch.ones(rows, 8), batch_size=[rows]))
+    late = pickle.loads(pickle.dumps(remote))  # connects anew: its hub's socket file is there, nobody listens
+    with pytest.raises(ServerBrokenError, match="gone: its process ended"):
+        late(TensorDict(observation=torch.ones(rows, 8), batch_size=[rows]))
 
 
 @pytest.mark.parametrize("rows", [1, 3], ids=["lane", "pickled"])

@@ -139,6 +139,9 @@ class ProcessClient:
             except (OSError, EOFError) as err:
                 (sock if conn is None else conn).close()  # the wire closes descriptors it received, not taken
                 self._closed = True
+                if isinstance(err, ConnectionRefusedError):  # its socket file is there, nobody listens: it died
+                    self._failure = ServerBrokenError(f"the server at {self.address} is gone: its process ended")
+                    raise own_copy(self._failure) from err
                 where = (  # no such socket here: closed, or this copy travelled to another host
                     "; a pickled RemotePolicy reaches a server on its own host only (actors on other hosts: "
                     "torchrl_batchserve.ray.serve_on_ray)"

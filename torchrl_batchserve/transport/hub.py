@@ -582,8 +582,10 @@ class ProcessHub:
             pending, self._pending = self._pending, []
         os.write(self._wake_w, b"x")
         self._knock()
+        # The socket file goes first: a client that finds none knows the server closed, while one refused at
+        # a file with nobody listening knows its process died (ProcessClient).
+        self._finalizer()
         self._listener.close()
-        self._finalizer()  # the socket file and its folder
         for client in pending:  # admitted, not yet read
             client.send(("closed",))
             self._drop(client)
