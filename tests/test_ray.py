@@ -680,6 +680,19 @@ def test_the_server_serves_on_when_a_node_with_actors_dies(cluster):
         assert list(gateways) == [alive] and gateways[alive].rows == 13
 
 
+def test_closing_a_ray_server_tells_its_actors_on_every_node_that_it_closed(cluster):
+    # Not that it died: each node's gateway serves what its actors queued and tells them, before it goes.
+    handle = serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.002)
+    remote = handle.remote_policy()
+    actors = [*spread(remote, 2), Actor.options(resources=SERVER).remote(remote, 2)]  # the server's node too
+    ray.get([a.calls.remote(1) for a in actors])
+    running = [a.until_error.remote(120) for a in actors]
+    while handle.statistics().batches < 6:  # all are calling
+        time.sleep(0.05)
+    assert handle.close()
+    assert [name for name, _ in ray.get(running, timeout=120)] == ["ServerClosedError"] * 3
+
+
 def test_a_dead_server_actor_fails_every_waiting_actor_promptly(cluster):
     handle = serve_on_ray(slow_factory, num_cpus=0, resources=SERVER, max_batch_size=16, timeout=0.002)
     actors = spread(handle.remote_policy(), 2)
@@ -964,16 +977,18 @@ def test_a_gateway_starting_on_one_node_holds_up_no_other_nodes_connect_and_one_
     from torchrl_batchserve import ray as batchserve_ray
     from torchrl_batchserve.errors import ServerClosedError
 
-    release, entered, killed, started = threading.Event(), threading.Event(), [], []
+    release, entered, killed, started, closed = threading.Event(), threading.Event(), [], [], []
 
     def start_gateway(node):
         started.append(node)
         if node == "slow":
             entered.set()
             assert release.wait(30)
-        return f"gateway-{node}", f"policy-{node}"
+        close = types.SimpleNamespace(remote=lambda timeout: closed.append(node))  # as Ray would call it
+        return types.SimpleNamespace(node=node, close=close), f"policy-{node}"
 
-    monkeypatch.setattr(batchserve_ray.ray, "kill", lambda actor, no_restart: killed.append(actor))
+    monkeypatch.setattr(batchserve_ray.ray, "kill", lambda actor, no_restart: killed.append(actor.node))
+    monkeypatch.setattr(batchserve_ray.ray, "wait", lambda refs, **kwargs: (refs, []))
     monkeypatch.setattr(batchserve_ray, "_healthy", lambda gateway: True)
     actor = batchserve_ray._ServerActor.__new__(batchserve_ray._ServerActor)  # its connect and close, without Ray
     actor.__dict__.update(
@@ -999,11 +1014,11 @@ def test_a_gateway_starting_on_one_node_holds_up_no_other_nodes_connect_and_one_
     assert actor.connect("fast") == "policy-fast" and actor.connect("server") == "policy-server"
     assert started == ["slow", "fast"]  # a node's gateway is started once
     actor.close(1.0)
-    assert killed == ["gateway-fast"]
+    assert closed == killed == ["fast"]  # closed (its node's queue served, its actors told), then ended
     release.set()
     slow.join(30)
     assert isinstance(outcome[1], ServerClosedError)  # its gateway started after the close: stopped, not served
-    assert killed == ["gateway-fast", "gateway-slow"]
+    assert killed == ["fast", "slow"]
 
 
 def _outcome(fn, *args):

@@ -87,6 +87,10 @@ class Gateway:
     def healthy(self) -> bool:
         return self._link.broken is None
 
+    def close(self, timeout: float) -> bool:
+        """Serve what is queued, then tell the node's actors the server closed (see ``_ServerActor.close``)."""
+        return self._server.close(timeout=timeout)
+
 
 class LinkedPolicy(TensorDictModuleBase):
     """The gateway's policy: its batch to the server actor and back, over the gateway's link."""

@@ -34,6 +34,9 @@ and stage it in every server with one version.
 Faults: a gateway's node may die (the server serves the others); a server
 actor that dies ends its gateways with it, so every waiting actor gets
 :class:`~torchrl_batchserve.errors.ServerBrokenError` from its socket at once.
+A server that is closed closes its gateways first, so that each serves its
+node's queue and tells its actors
+:class:`~torchrl_batchserve.errors.ServerClosedError`.
 With ``max_restarts``, Ray restarts the server actor from ``policy_factory``:
 it refuses clients until the trainer pushes weights again (the factory's
 weights are not the trainer's), then serves with versions that go on from
@@ -329,32 +332,13 @@ class RayEndpoint:
             if self._local is not None and self._local[1] is policy:
                 self._local = None
 
-    def _failed(self, policy: RemotePolicy, error: BaseException) -> BaseException:
-        """What a call that lost its hub raises: asked of the server actor when the hub only looked closed.
-
-        A client that cannot reach its hub at all (the socket of a gateway
-        that died, say) cannot tell a closed server from a gone one, and says
-        "closed or gone". Whether the server was closed or died (or the
-        node's gateway went) is the server actor's to say: reconnecting tells
-        it, and readies the next call.
-        """
-        self._forget(policy)
-        if isinstance(error, ServerClosedError):
-            try:
-                self._policy()
-            except (ServerBrokenError, ServerClosedError) as why:
-                return why
-        return error
-
     def call(self, td: TensorDictBase) -> TensorDictBase:
         policy = self._policy()
         try:
             return policy(td)
-        except (ServerBrokenError, ServerClosedError) as err:
-            why = self._failed(policy, err)
-            if why is err:
-                raise
-            raise why from err
+        except (ServerBrokenError, ServerClosedError):
+            self._forget(policy)  # its hub is gone: the next call asks the server actor again
+            raise
 
     def submit(self, td: TensorDictBase) -> Future[TensorDictBase]:
         policy = self._policy()
@@ -383,11 +367,9 @@ class RayEndpoint:
         policy = await asyncio.to_thread(self._policy) if self._local is None else self._policy()
         try:
             return await policy.acall(td)
-        except (ServerBrokenError, ServerClosedError) as err:
-            why = await asyncio.to_thread(self._failed, policy, err)
-            if why is err:
-                raise
-            raise why from err
+        except (ServerBrokenError, ServerClosedError):
+            self._forget(policy)
+            raise
 
 
 ForkingPickler.register(RayEndpoint, RayEndpoint._for_a_child)
@@ -447,7 +429,7 @@ class _ServerActor:
         """The policy a client on ``node`` uses: this server's hub here, the node's gateway elsewhere."""
         if self._waiting_for_weights:
             raise ServerBrokenError("the server actor was restarted and serves again after the trainer's next push")
-        if self._server.closed:
+        if self._closed or self._server.closed:
             raise ServerClosedError("the server is closed and accepts no more requests")
         if node == self._node:
             return self._policy
@@ -521,13 +503,18 @@ class _ServerActor:
         return out
 
     def close(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
         with self._lock:
             self._closed = True
-            gateways, self._gateways = list(self._gateways.values()), {}
-        for gateway, _ in gateways:
+            gateways, self._gateways = [gateway for gateway, _ in self._gateways.values()], {}
+        # Each gateway serves what its node's actors queued and tells them the server closed, while the links
+        # and this server still serve (killed at once, they would take it for a server that died); then it goes.
+        if gateways:
+            ray.wait([g.close.remote(timeout) for g in gateways], num_returns=len(gateways), timeout=timeout)
+        for gateway in gateways:
             ray.kill(gateway, no_restart=True)
         self._links.close()
-        return self._server.close(timeout=timeout)
+        return self._server.close(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _healthy(gateway: Any) -> bool:
