@@ -362,6 +362,29 @@ def test_a_worker_idle_when_its_server_closed_gets_closed_error_on_its_next_call
         remote(TensorDict(observation=torch.ones(rows, 8), batch_size=[rows]))
 
 
+@pytest.mark.parametrize("then, error", [("dies", ServerBrokenError), ("closes", ServerClosedError)])
+def test_a_hub_gone_during_the_handshake_is_told_dead_or_closed(tmp_path, then, error):
+    address = str(tmp_path / "hub.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(1)
+
+    def hub() -> None:  # takes the key and goes without an answer, as one dying or closing mid-handshake
+        conn, _ = listener.accept()
+        conn.recv(16)
+        listener.close()  # dies: its socket file stays, nobody listens
+        if then == "closes":
+            os.unlink(address)  # as ProcessHub.close does before it closes its listener
+        conn.close()
+
+    thread = threading.Thread(target=hub)
+    thread.start()
+    client = ProcessClient(address, bytes(16), ["observation"])
+    with pytest.raises(error, match="gone: its process ended" if then == "dies" else "closed or gone"):
+        client.call(TensorDict(observation=torch.ones(8)))
+    thread.join(10)
+
+
 def test_a_hub_reader_that_dies_fails_every_worker_instead_of_leaving_it_waiting(policy, monkeypatch):
     def bug(self, client):
         raise RuntimeError("a bug in the reader")

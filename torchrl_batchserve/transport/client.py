@@ -139,7 +139,7 @@ class ProcessClient:
             except (OSError, EOFError) as err:
                 (sock if conn is None else conn).close()  # the wire closes descriptors it received, not taken
                 self._closed = True
-                if isinstance(err, ConnectionRefusedError):  # its socket file is there, nobody listens: it died
+                if _died(self.address, err):
                     self._failure = ServerBrokenError(f"the server at {self.address} is gone: its process ended")
                     raise own_copy(self._failure) from err
                 where = (  # no such socket here: closed, or this copy travelled to another host
@@ -457,6 +457,26 @@ def _set_result(waiter: tuple[Any, Any, TensorDictBase], reply: tuple[Any, Any, 
             future.set_result(td)
     except InvalidStateError:
         pass  # cancelled a moment ago: nobody waits
+
+
+def _died(address: str, err: BaseException) -> bool:
+    """Whether the hub at ``address`` died, as a connection to it failed with ``err``.
+
+    A hub that dies leaves its socket file with nobody listening (a refused
+    connection); one that closes removes the file first. Cut off during the
+    handshake, a client asks the file once more to tell which.
+    """
+    if isinstance(err, (ConnectionRefusedError, FileNotFoundError)):
+        return isinstance(err, ConnectionRefusedError)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(HANDSHAKE_TIMEOUT)
+            probe.connect(address)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def _close_connection(bells: tuple[int, ...], conn: Wire) -> None:
