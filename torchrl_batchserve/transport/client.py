@@ -466,17 +466,19 @@ def _died(address: str, err: BaseException) -> bool:
     connection); one that closes removes the file first. Cut off during the
     handshake, a client asks the file once more to tell which.
     """
-    if isinstance(err, (ConnectionRefusedError, FileNotFoundError)):
-        return isinstance(err, ConnectionRefusedError)
+    if isinstance(err, ConnectionRefusedError):
+        return True
+    if isinstance(err, FileNotFoundError):
+        return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.settimeout(HANDSHAKE_TIMEOUT)
             probe.connect(address)
     except ConnectionRefusedError:
         return True
-    except OSError:
-        pass
-    return False
+    except OSError:  # no file (it closed), or a failure that says nothing
+        return False
+    return False  # it listens: alive
 
 
 def _close_connection(bells: tuple[int, ...], conn: Wire) -> None:
