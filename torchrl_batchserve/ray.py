@@ -429,7 +429,7 @@ class _ServerActor:
         """The policy a client on ``node`` uses: this server's hub here, the node's gateway elsewhere."""
         if self._waiting_for_weights:
             raise ServerBrokenError("the server actor was restarted and serves again after the trainer's next push")
-        if self._closed or self._server.closed:
+        if self._closed:  # set before the server closes (close())
             raise ServerClosedError("the server is closed and accepts no more requests")
         if node == self._node:
             return self._policy

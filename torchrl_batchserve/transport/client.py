@@ -139,7 +139,7 @@ class ProcessClient:
             except (OSError, EOFError) as err:
                 (sock if conn is None else conn).close()  # the wire closes descriptors it received, not taken
                 self._closed = True
-                if _died(self.address, err):
+                if _died(self.address):
                     self._failure = ServerBrokenError(f"the server at {self.address} is gone: its process ended")
                     raise own_copy(self._failure) from err
                 where = (  # no such socket here: closed, or this copy travelled to another host
@@ -459,17 +459,14 @@ def _set_result(waiter: tuple[Any, Any, TensorDictBase], reply: tuple[Any, Any, 
         pass  # cancelled a moment ago: nobody waits
 
 
-def _died(address: str, err: BaseException) -> bool:
-    """Whether the hub at ``address`` died, as a connection to it failed with ``err``.
+def _died(address: str) -> bool:
+    """Whether the hub at ``address``, which a connection just failed to reach, died.
 
     A hub that dies leaves its socket file with nobody listening (a refused
-    connection); one that closes removes the file first. Cut off during the
-    handshake, a client asks the file once more to tell which.
+    connection); one that closes removes the file first. Asked once more, the
+    file tells which, however the connection failed (refused, or cut during
+    the handshake).
     """
-    if isinstance(err, ConnectionRefusedError):
-        return True
-    if isinstance(err, FileNotFoundError):
-        return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.settimeout(HANDSHAKE_TIMEOUT)
