@@ -691,6 +691,8 @@ def test_closing_a_ray_server_tells_its_actors_on_every_node_that_it_closed(clus
         time.sleep(0.05)
     assert handle.close()
     assert [name for name, _ in ray.get(running, timeout=120)] == ["ServerClosedError"] * 3
+    # and so is every later call, though the server actor is gone by now
+    assert [name for name, _ in ray.get([a.until_error.remote(30) for a in actors])] == ["ServerClosedError"] * 3
 
 
 def test_a_dead_server_actor_fails_every_waiting_actor_promptly(cluster):

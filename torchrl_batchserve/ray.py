@@ -289,7 +289,9 @@ class RayEndpoint:
     The hub is asked of the server actor on first use in each process (so it
     pickles anywhere and connects where it is used). When the hub goes away
     (:class:`~torchrl_batchserve.errors.ServerBrokenError`), the next call
-    asks again: a restarted server actor is found that way.
+    asks again: a restarted server actor is found that way. A closed server
+    stays closed: its hub's client raises
+    :class:`~torchrl_batchserve.errors.ServerClosedError` for every later call.
     """
 
     def __init__(self, actor: Any) -> None:
@@ -336,7 +338,7 @@ class RayEndpoint:
         policy = self._policy()
         try:
             return policy(td)
-        except (ServerBrokenError, ServerClosedError):
+        except ServerBrokenError:
             self._forget(policy)  # its hub is gone: the next call asks the server actor again
             raise
 
@@ -345,9 +347,7 @@ class RayEndpoint:
         future = policy.submit(td)
         future.add_done_callback(
             lambda f: (
-                self._forget(policy)
-                if not f.cancelled() and isinstance(f.exception(), (ServerBrokenError, ServerClosedError))
-                else None
+                self._forget(policy) if not f.cancelled() and isinstance(f.exception(), ServerBrokenError) else None
             )
         )
         return future
@@ -367,7 +367,7 @@ class RayEndpoint:
         policy = await asyncio.to_thread(self._policy) if self._local is None else self._policy()
         try:
             return await policy.acall(td)
-        except (ServerBrokenError, ServerClosedError):
+        except ServerBrokenError:
             self._forget(policy)
             raise
 
