@@ -127,6 +127,43 @@ def test_a_lone_caller_on_a_stream_of_its_own_has_its_request_read_after_that_st
     torch.testing.assert_close(result.cpu(), reference(make_mlp(), torch.full((8,), 0.5)), atol=1e-5, rtol=1e-4)
 
 
+class _BufferedBesideATrainer(torch.nn.Module):
+    """An MLP that writes its outputs into a buffer it keeps (as a CUDA-graph replay does), while a trainer's
+    slow kernels are queued on the default stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_mlp()
+        self.register_buffer("out", torch.zeros(64, 3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.cuda.stream(torch.cuda.default_stream(x.device)):
+            busy = torch.randn(2048, 2048, device=x.device)
+            for _ in range(200):
+                busy = torch.tanh(busy @ busy)
+        rows = x.shape[0]
+        self.out[:rows].copy_(self.net(x))
+        return self.out[:rows]
+
+
+def test_a_caller_on_a_stream_of_its_own_reads_copied_outputs_and_the_stamp_done_though_the_default_stream_is_busy():
+    # The buffer's rows are copied for each caller and the version stamped on the replica's stream before the
+    # results are handed out: queued on the serve thread's default stream, behind the trainer's work, they would
+    # still be pending when this caller's stream reads them.
+    policy = TensorDictModule(_BufferedBesideATrainer(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, device="cuda", output_device="cuda", forward_timeout=60) as server:
+        remote = server.remote_policy()  # (forward_timeout: the serve thread runs every batch, on its own stream)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            x = torch.full((8,), 0.5, device="cuda")
+            td = remote(TensorDict(observation=x))
+            logits, version = td["logits"] * 1, td["policy_version"] + 0
+        stream.synchronize()
+        torch.cuda.synchronize()
+    torch.testing.assert_close(logits.cpu(), reference(make_mlp(), torch.full((8,), 0.5)), atol=1e-5, rtol=1e-4)
+    assert int(version) == 0
+
+
 def test_padded_batches_on_cuda():
     policy = TensorDictModule(lambda tokens, mask: tokens * 2, in_keys=["tokens", "mask"], out_keys=["out"])
     collate = PadCollate(["tokens"], trim_keys=["out"])

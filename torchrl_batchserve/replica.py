@@ -5,8 +5,9 @@ of the weights that copy holds, and (on CUDA) the stream its batches run on.
 It changes its weights only in :meth:`Replica.refresh`, which the serve loop
 calls between two batches, so a batch is computed with exactly one version.
 
-On CUDA, a batch's host-to-device copies, its forward, the copy of its
-outputs to the output device and weight applies are all queued on the
+On CUDA, a batch's host-to-device copies, its forward, the copies of its
+outputs (those that make results their callers' own, the version stamp, the
+move to the output device) and weight applies are all queued on the
 replica's own stream, ordered with events: the stream waits for the stream
 the batch was stacked on (the current stream of the thread that runs the
 batch: the serve thread's default stream, or a lone caller's own stream) and

@@ -79,7 +79,7 @@ def _fresh_refs() -> int:
 _FRESH = _fresh_refs()  # references to a tensor held only by an output TensorDict, seen from _refs
 
 
-def owned(output: TensorDictBase, key: NestedKey, foreign: frozenset[int]) -> None:
+def owned(output: TensorDictBase, key: NestedKey, foreign: frozenset[int], device: torch.device | None = None) -> None:
     """Replace ``output[key]`` by a copy if it may share memory with anything but ``output``.
 
     A copy is made when the value is a view of another tensor (a slice or an
@@ -87,10 +87,13 @@ def owned(output: TensorDictBase, key: NestedKey, foreign: frozenset[int]) -> No
     served parameter, buffer or batch input (``foreign``), or is referenced
     from anywhere else (a buffer the policy writes again at every call, as a
     CUDA-graph replay does). A fresh output, the common case, is handed out
-    as it is.
+    as it is, and so is a tensor that is not on ``device`` (where the results
+    go, if given): moving it there copies it.
     """
     value = output.get(key)
     if isinstance(value, torch.Tensor):
+        if device is not None and value.device != device:
+            return
         if _refs(value) > _FRESH or value._base is not None or value.untyped_storage().data_ptr() in foreign:
             output.set(key, value.clone())
     elif isinstance(value, TensorDictBase) and not is_non_tensor(value):
@@ -351,12 +354,15 @@ class Serving:
             raise self.broken
         self._check(output, None if packed else rows)
         device = self.output_device or group[0].device
-        output = replica.fetch(output, self.out_keys, device)
-        for key in self.out_keys:
-            owned(output, key, foreign)
-        if self.version_key is not None:
-            stamp = torch.full((rows,), replica.version, dtype=torch.long, device=device or output.device)
-            output.set(self.version_key, stamp)
+        # On the replica's stream, so that fetch hands them out done: queued on this thread's stream, they could
+        # wait behind other work there (a trainer's) while a caller on a stream of its own reads them.
+        with replica.on_stream():
+            for key in self.out_keys:
+                owned(output, key, foreign, device)
+            if self.version_key is not None:
+                stamp = torch.full((rows,), replica.version, dtype=torch.long, device=device or output.device)
+                output.set(self.version_key, stamp)
+        output = replica.fetch(output, self.delivered, device)
         return self.collate.split(output, group, self.delivered), start
 
     def _check(self, output: Any, rows: int | None) -> None:
