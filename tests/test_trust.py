@@ -122,6 +122,10 @@ def test_a_fresh_output_is_handed_out_without_a_copy():
     output.set("b", param.expand(4, 2))
     owned(output, "b", frozenset())
     assert output.get("b").data_ptr() != param.data_ptr()
+    # an output elsewhere than where the results go is left to the move there, which copies it
+    output.set("c", param.expand(4, 2))
+    owned(output, "c", frozenset(), torch.device("meta"))
+    assert output.get("c").data_ptr() == param.data_ptr()
 
 
 def test_training_the_served_module_in_place_while_16_threads_call_the_server():
