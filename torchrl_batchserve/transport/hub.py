@@ -73,6 +73,7 @@ the server die.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import math
@@ -90,7 +91,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tensordict import TensorDict
+import torch
+from tensordict import TensorDict, TensorDictBase, is_non_tensor
 from tensordict.nn import InteractionType
 
 from torchrl_batchserve.errors import BadRequestError, PolicyError, portable
@@ -184,7 +186,7 @@ class _Client:
 
         It fails this request alone, never the serve loop that completes it.
         """
-        with self.send_lock:
+        with self.send_lock, _host_copies(request.values):
             lane, seq = request.lane, request.seq
             self.in_flight -= 1
             try:
@@ -198,10 +200,16 @@ class _Client:
                 self._send(_done(seq, err))
 
     def _send_outputs(self, request: ProcessRequest) -> None:
-        """The outputs pickled; ones that do not pickle fail the request with a :class:`PolicyError`."""
-        keys = list(request.keys)
+        """The outputs pickled; ones that do not pickle fail the request with a :class:`PolicyError`.
+
+        A request made on the CPU gets them on the CPU, as through a lane
+        (a worker's device inputs travel pickled, and keep their device).
+        """
+        keys, values = list(request.keys), list(request.values)
+        if request.device is not None and request.device.type == "cpu":
+            values = [_to_host(v) for v in values]
         try:
-            message = _done(request.seq, values=list(request.values), keys=keys)
+            message = _done(request.seq, values=values, keys=keys)
         except Exception as err:
             error = PolicyError(f"out_keys {keys}: the outputs do not pickle, so they cannot reach a worker ({err!r})")
             message = _done(request.seq, error)
@@ -244,6 +252,26 @@ class _Client:
                 close()
             except OSError:
                 pass
+
+
+def _host_copies(values: Any) -> contextlib.AbstractContextManager:
+    """Where a reply copies CUDA outputs to the host: a stream of their device's own.
+
+    A blocking copy on the current stream (the default one) would wait for
+    all the work queued there, a trainer's included. The outputs are complete
+    already: their replica's stream was synchronized before they were handed out.
+    """
+    if values is not None and torch.cuda.is_initialized():
+        for value in values:
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                return torch.cuda.stream(torch.cuda.Stream(value.device))
+    return contextlib.nullcontext()
+
+
+def _to_host(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) or (isinstance(value, TensorDictBase) and not is_non_tensor(value)):
+        return value.cpu()
+    return value
 
 
 def _close_all(fds: Sequence[int]) -> None:
