@@ -153,9 +153,9 @@ def test_a_caller_on_a_stream_of_its_own_reads_copied_outputs_and_the_stamp_done
     policy = TensorDictModule(_BufferedBesideATrainer(), in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy, device="cuda", output_device="cuda", forward_timeout=60) as server:
         remote = server.remote_policy()  # (forward_timeout: the serve thread runs every batch, on its own stream)
+        x = torch.full((8,), 0.5, device="cuda")  # made on the default stream, which the batch is stacked after
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            x = torch.full((8,), 0.5, device="cuda")
             td = remote(TensorDict(observation=x))
             logits, version = td["logits"] * 1, td["policy_version"] + 0
         stream.synchronize()
