@@ -198,36 +198,6 @@ def test_worker_process_clients_of_a_server_whose_outputs_stay_on_cuda():
         )
 
 
-class _BesideALongTrainerStep(torch.nn.Module):
-    """An MLP whose forward queues a trainer's long work (seconds) on the default stream."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = make_mlp()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.cuda.stream(torch.cuda.default_stream(x.device)):
-            busy = torch.randn(8192, 8192, device=x.device)
-            for _ in range(100):
-                busy = torch.tanh(busy @ busy)
-        return self.net(x)
-
-
-def test_replies_to_worker_processes_copy_cuda_outputs_without_waiting_for_the_default_stream():
-    # A worker's outputs are copied to the host for its slot (or its pickled reply) on a stream of their own:
-    # on the default stream the copy would wait for the trainer's work queued there.
-    policy = TensorDictModule(_BesideALongTrainerStep(), in_keys=["observation"], out_keys=["logits"])
-    with BatchedPolicyServer(policy, device="cuda", output_device="cuda") as server:
-        copy = pickle.loads(pickle.dumps(server.remote_policy()))  # the process path, in this process
-        for i in range(2):  # the first reply travels pickled, the second through the lane it brought
-            td = copy(TensorDict(observation=torch.full((8,), float(i))))
-            assert not torch.cuda.default_stream().query()  # the trainer's step still runs
-            torch.testing.assert_close(
-                td["logits"], reference(make_mlp(), torch.full((8,), float(i))), atol=1e-5, rtol=1e-4
-            )
-            torch.cuda.synchronize()
-
-
 @pytest.mark.parametrize("mixed", [False, True])
 def test_replicas_on_cuda_devices_serve_exact_results_and_every_push(mixed):
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] * (2 if torch.cuda.device_count() == 1 else 1)

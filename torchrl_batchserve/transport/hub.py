@@ -73,7 +73,6 @@ the server die.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import math
@@ -186,7 +185,7 @@ class _Client:
 
         It fails this request alone, never the serve loop that completes it.
         """
-        with self.send_lock, _host_copies(request.values):
+        with self.send_lock:
             lane, seq = request.lane, request.seq
             self.in_flight -= 1
             try:
@@ -252,20 +251,6 @@ class _Client:
                 close()
             except OSError:
                 pass
-
-
-def _host_copies(values: Any) -> contextlib.AbstractContextManager:
-    """Where a reply copies CUDA outputs to the host: a stream of their device's own.
-
-    A blocking copy on the current stream (the default one) would wait for
-    all the work queued there, a trainer's included. The outputs are complete
-    already: their replica's stream was synchronized before they were handed out.
-    """
-    if values is not None and torch.cuda.is_initialized():
-        for value in values:
-            if isinstance(value, torch.Tensor) and value.is_cuda:
-                return torch.cuda.stream(torch.cuda.Stream(value.device))
-    return contextlib.nullcontext()
 
 
 def _to_host(value: Any) -> Any:
