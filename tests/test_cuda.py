@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import load_script, make_mlp
+from conftest import GatedPolicy, load_script, make_mlp
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from torchrl_batchserve import BatchedPolicyServer, PadCollate, StackCollate
+from torchrl_batchserve import BatchedPolicyServer, EvaluationCache, PadCollate, StackCollate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -162,6 +162,34 @@ def test_a_caller_on_a_stream_of_its_own_reads_copied_outputs_and_the_stamp_done
         torch.cuda.synchronize()
     torch.testing.assert_close(logits.cpu(), reference(make_mlp(), torch.full((8,), 0.5)), atol=1e-5, rtol=1e-4)
     assert int(version) == 0
+
+
+def test_cached_rows_reach_hits_and_followers_on_a_stream_of_their_own_done_though_the_default_stream_is_busy():
+    # The cache's copies of a batch's rows are made on the replica's stream: a follower's copy is done before it
+    # is handed out, and a hit copies an entry on its caller's stream after the entry's event. Made on the serve
+    # thread's default stream, behind the trainer's work, they would be read before they were made.
+    gated = GatedPolicy(_BufferedBesideATrainer())
+    with BatchedPolicyServer(
+        gated, device="cuda", output_device="cuda", cache=EvaluationCache(), timeout=1e6, forward_timeout=60
+    ) as server:
+        remote = server.remote_policy()
+        first = remote.submit(TensorDict(observation=torch.zeros(8, device="cuda")))
+        assert gated.entered.wait(10)  # the serve loop is held: what comes next queues together
+        x = torch.full((8,), 0.5, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            same = [remote.submit(TensorDict(observation=x)) for _ in range(3)]  # one leads, two follow
+            gated.gate.set()
+            computed = [f.result(60)["logits"] * 1 for f in same]
+            hit = remote(TensorDict(observation=x))["logits"] * 1
+        stream.synchronize()
+        first.result(60)
+        stats = server.statistics()
+    assert (stats.cache_misses, stats.cache_coalesced, stats.cache_hits) == (2, 2, 1)
+    expected = reference(make_mlp(), torch.full((8,), 0.5))
+    for logits in [*computed, hit]:
+        torch.testing.assert_close(logits.cpu(), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_padded_batches_on_cuda():

@@ -39,6 +39,7 @@ from torch import nn
 
 from torchrl_batchserve.errors import BadRequestError
 from torchrl_batchserve.layout import call_user_fn, flat_rows, shaped_rows
+from torchrl_batchserve.replica import tensors
 from torchrl_batchserve.request import Request
 
 __all__ = ["EvaluationCache", "sampling_modes"]
@@ -148,7 +149,8 @@ class EvaluationCache:
         self.capacity = capacity
         self.key_fn = key_fn
         self._lock = threading.Lock()
-        self._entries: OrderedDict[Hashable, tuple[int, tuple[Any, ...]]] = OrderedDict()
+        # key -> (version, the row's outputs, on CUDA an event after their copies)
+        self._entries: OrderedDict[Hashable, tuple[int, tuple[Any, ...], torch.cuda.Event | None]] = OrderedDict()
         self._leaders: dict[Hashable, tuple[Request, int]] = {}  # key -> (leader, version staged at its admission)
         self._followers: dict[int, list[Request]] = {}  # id(leader) -> followers
         self.hits = self.misses = self.coalesced = 0
@@ -214,14 +216,15 @@ class EvaluationCache:
                 entry = self._entries.get(key)
                 if entry is None or entry[0] != version:
                     break
-                found.append(entry[1])
+                found.append(entry)
             if len(found) == len(keys):
                 for key in keys:
                     self._entries.move_to_end(key)
                 self.hits += 1
+                _read_after(found)
                 if not request.batch_shape:
-                    return HIT, [_clone(v) for v in found[0]]
-                return HIT, [_stack(column, request.batch_shape) for column in zip(*found)]
+                    return HIT, [_clone(v) for v in found[0][1]]
+                return HIT, [_stack(column, request.batch_shape) for column in zip(*(e[1] for e in found))]
             if not request.batch_shape:
                 lead = self._leaders.get(keys[0])
                 if lead is not None and lead[1] == version:
@@ -235,9 +238,14 @@ class EvaluationCache:
     def complete(
         self, requests: Sequence[Request], columns: Sequence[Sequence[Any]], version: int
     ) -> tuple[list[Request], list[Sequence[Any]]]:
-        """After a batch: store each request's rows; return the followers and their values."""
+        """After a batch: store each request's rows; return the followers and their values.
+
+        The copies are queued on the current stream; on CUDA, the entries
+        keep an event after them, which a hit's stream waits for.
+        """
         followers: list[Request] = []
         values: list[Sequence[Any]] = []
+        stored: list[tuple[Hashable, tuple[Any, ...]]] = []
         rows_of = list(zip(*columns)) if columns else [()] * len(requests)
         with self._lock:
             for request, row in zip(requests, rows_of):
@@ -245,14 +253,16 @@ class EvaluationCache:
                 if keys is None:
                     continue
                 if not request.batch_shape:
-                    self._store(keys[0], version, tuple(_clone(v) for v in row))
+                    stored.append((keys[0], tuple(_clone(v) for v in row)))
                     waiting = self._detach(request)
                     followers.extend(waiting)
                     values.extend(tuple(_clone(v) for v in row) for _ in waiting)
                 else:
                     flat = [flat_rows(v, len(request.batch_shape)) for v in row]
-                    for i, key in enumerate(keys):
-                        self._store(key, version, tuple(_clone(f[i]) for f in flat))
+                    stored.extend((key, tuple(_clone(f[i]) for f in flat)) for i, key in enumerate(keys))
+            ready = _made(stored)  # before any hit can find them
+            for key, kept in stored:
+                self._store(key, (version, kept, ready))
         return followers, values
 
     def promote(self, leader: Request) -> Request | None:
@@ -287,15 +297,43 @@ class EvaluationCache:
             del self._leaders[key]
         return self._followers.pop(id(leader), [])
 
-    def _store(self, key: Hashable, version: int, values: tuple[Any, ...]) -> None:
+    def _store(self, key: Hashable, entry: tuple[int, tuple[Any, ...], torch.cuda.Event | None]) -> None:
         entries = self._entries
-        entries[key] = (version, values)
+        entries[key] = entry
         entries.move_to_end(key)
         while len(entries) > self.capacity:
             entries.popitem(last=False)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(capacity={self.capacity}, key_fn={self.key_fn!r}, size={len(self)})"
+
+
+def _made(stored: list[tuple[Hashable, tuple[Any, ...]]]) -> torch.cuda.Event | None:
+    """An event after the copies of ``stored`` queued on the current stream; ``None`` off CUDA.
+
+    A batch's outputs are all on one device: the first tensor says which.
+    """
+    first = next(tensors(v for _, kept in stored for v in kept), None)
+    if first is None or not first.is_cuda:
+        return None
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(first.device))
+    return ready
+
+
+def _read_after(entries: list[tuple[int, tuple[Any, ...], torch.cuda.Event | None]]) -> None:
+    """Queue the current stream after the copies of ``entries``, which a hit copies on it (CUDA only).
+
+    Their memory is marked as read there, so that an entry dropped
+    meanwhile is not given to other work before those copies have run.
+    """
+    for _, kept, ready in entries:
+        if ready is None:
+            continue
+        for value in tensors(kept):
+            stream = torch.cuda.current_stream(value.device)
+            stream.wait_event(ready)
+            value.record_stream(stream)
 
 
 def _stack(column: Sequence[Any], batch_shape: torch.Size) -> Any:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torch.nn.parameter import is_lazy
 from torchrl_batchserve.errors import PolicyError
 from torchrl_batchserve.weights import ShadowWeights
 
-__all__ = ["Replica", "served_copy"]
+__all__ = ["Replica", "served_copy", "tensors"]
 
 
 def served_copy(policy: TensorDictModuleBase, device: torch.device | None) -> TensorDictModuleBase:
@@ -165,16 +165,22 @@ class Replica:
         with self.on_stream():
             if not _on_device(output, keys, device):
                 output = output.select(*keys).to(device, non_blocking=True)
-            if self._stream is None:
-                return output
-            self._stream.synchronize()  # this stream only: its forward and copies are done
-        # Results made on this stream are read on the callers' (the current stream here: the default one, or
-        # a lone caller's own). Marked so, the caching allocator gives none of their memory to a later batch
-        # of this stream until the kernels queued on the callers' stream before they were freed have run.
-        for value in _leaves(output, keys):
+        self.hand_out(tensors(output.get(key) for key in keys))
+        return output
+
+    def hand_out(self, results: Iterable[torch.Tensor]) -> None:
+        """Wait for the work queued on this stream (on CUDA; this stream only), then mark ``results`` as read.
+
+        Results made on this stream are read on the callers' (the current stream here: the default one, or
+        a lone caller's own). Marked so, the caching allocator gives none of their memory to a later batch
+        of this stream until the kernels queued on the callers' stream before they were freed have run.
+        """
+        if self._stream is None:
+            return
+        self._stream.synchronize()  # this stream only: its forward and copies are done
+        for value in results:
             if value.is_cuda:
                 value.record_stream(torch.cuda.current_stream(value.device))
-        return output
 
 
 def _batched(output: Any, rows: int) -> Any:
@@ -194,19 +200,20 @@ def _batched(output: Any, rows: int) -> Any:
     return batched
 
 
-def _leaves(td: TensorDictBase, keys: Sequence[Any] | None = None) -> Iterator[torch.Tensor]:
-    """The tensors of ``td`` (of its ``keys`` only, if given), nested ones included."""
-    values = td.values(True, True) if keys is None else (td.get(key) for key in keys)
+def tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among ``values``, and those in their TensorDicts (nested ones included)."""
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
         elif isinstance(value, TensorDictBase) and not is_non_tensor(value):
-            yield from _leaves(value)
+            yield from tensors(value.values(True, True))
 
 
 def _on_device(td: TensorDictBase, keys: Sequence[Any] | None, device: torch.device | None) -> bool:
     """Whether the tensors of ``td`` (of its ``keys``) are on ``device`` already (``None``: wherever they are)."""
-    return device is None or td.device == device or all(v.device == device for v in _leaves(td, keys))
+    if device is None or td.device == device:
+        return True
+    return all(v.device == device for v in tensors(td.values() if keys is None else (td.get(k) for k in keys)))
 
 
 def _on(td: TensorDictBase, device: torch.device | None) -> TensorDictBase:

@@ -43,7 +43,7 @@ from torchrl_batchserve.errors import (
 from torchrl_batchserve.gate import GATE
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import FireReason, RequestQueue
-from torchrl_batchserve.replica import Replica
+from torchrl_batchserve.replica import Replica, tensors
 from torchrl_batchserve.request import Relay, Request, fail_all, resolve
 from torchrl_batchserve.stats import StatisticsRecorder
 
@@ -300,7 +300,7 @@ class Serving:
             live = self._claim(requests)
             self._refresh(replica)
             outcomes = [self._run_group(replica, group, reason) for group in _groups(live)]
-            followers = self._followers(outcomes, replica.version)
+            followers = self._followers(outcomes, replica)
         finally:
             callers = [r.caller for r in requests] + [r.caller for group, _, _ in followers for r in group]
             self.queue.done_serving(callers, replica.index)  # idle before they wake
@@ -395,15 +395,21 @@ class Serving:
                 live.append(current)
         return live
 
-    def _followers(self, outcomes: list[Outcome], version: int) -> list[Outcome]:
-        """Store computed rows in the cache; the coalesced requests and their outcomes."""
+    def _followers(self, outcomes: list[Outcome], replica: Replica) -> list[Outcome]:
+        """Store computed rows in the cache; the coalesced requests and their outcomes.
+
+        The cache's copies are made on the replica's stream, and the
+        followers' are done before they are handed out, as fetch's results are.
+        """
         if self.cache is None:
             return []
         out: list[Outcome] = []
         for group, columns, error in outcomes:
             if error is None:
-                waiting, rows = self.cache.complete(group, columns, version)
+                with replica.on_stream():
+                    waiting, rows = self.cache.complete(group, columns, replica.version)
                 if waiting:
+                    replica.hand_out(tensors(v for row in rows for v in row))
                     out.append((waiting, list(zip(*rows)), None))
             else:
                 waiting = self.cache.release(group)
