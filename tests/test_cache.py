@@ -213,6 +213,19 @@ def test_a_scalar_input_per_row_is_keyed(dtype):
         assert (stats.cache_hits, stats.requests) == (1, 2)  # answered at submit
 
 
+def test_a_conjugate_view_is_keyed_by_its_values():
+    # Its memory holds the values before conjugation, and torch views no such tensor as bytes: every request
+    # with one failed with torch's RuntimeError.
+    policy = TensorDictModule(lambda z: z.imag.sum(-1, keepdim=True), in_keys=["z"], out_keys=["y"])
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        z = torch.tensor([1 + 2j, 3 - 1j])
+        assert remote(TensorDict(z=z))["y"].tolist() == [1.0]
+        assert remote(TensorDict(z=z.conj()))["y"].tolist() == [-1.0]  # not the entry of z
+        assert remote(TensorDict(z=z.conj().resolve_conj()))["y"].tolist() == [-1.0]  # the entry of z.conj()
+        assert (server.statistics().cache_hits, server.statistics().cache_misses) == (1, 2)
+
+
 def test_an_input_the_cache_cannot_key_is_refused_naming_key_fn():
     policy = TensorDictModule(lambda x, fn: x, in_keys=["x", "fn"], out_keys=["y"])
     with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:

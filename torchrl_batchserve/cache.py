@@ -90,6 +90,8 @@ def _feed(h: Any, value: Any) -> None:
         t = value.detach()
         if t.device.type != "cpu":
             t = t.cpu()
+        if t.is_conj() or t.is_neg():  # a lazy view: its memory holds other values
+            t = t.resolve_conj().resolve_neg()
         h.update(f"tensor{t.dtype}{tuple(t.shape)}".encode())
         h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     elif is_non_tensor(value):
