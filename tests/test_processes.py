@@ -510,6 +510,29 @@ def test_collectors_store_the_policys_actions(kind):
     assert frames >= 32 and stats.requests > 0 and stats.failed_batches == 0
 
 
+def test_env_rollout_steps_a_single_and_a_batched_env_through_the_server():
+    # env.rollout(n, remote): each step is one request with the env's batch size (three rows for three envs)
+    from torchrl.envs import PendulumEnv, SerialEnv
+
+    net = PendulumPolicy()
+    policy = TensorDictModule(net, in_keys=["th", "thdot"], out_keys=["action"])
+    batched_env = SerialEnv(3, PendulumEnv)
+    try:
+        with BatchedPolicyServer(policy) as server:
+            remote = server.remote_policy()
+            single = PendulumEnv().rollout(5, remote)
+            batched = batched_env.rollout(5, remote)
+            stats = server.statistics()
+    finally:
+        batched_env.close()
+    assert single.batch_size == (5,) and batched.batch_size == (3, 5)
+    for td in (single, batched):
+        with torch.no_grad():
+            torch.testing.assert_close(td["action"], net(td["th"], td["thdot"]))
+        assert td["policy_version"].eq(0).all()
+    assert (stats.requests, stats.rows) == (10, 5 + 15)
+
+
 @pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector"])
 @pytest.mark.parametrize("registered", ["by hand", "by the collector"])
 def test_a_recurrent_policy_carries_each_envs_own_state(kind, registered):
