@@ -325,6 +325,23 @@ def test_a_head_with_the_wrong_count_of_logits_or_values_ends_the_search_by_name
         search.run(search.tree(env.reset()), 10)
 
 
+def test_priors_are_the_softmax_over_the_legal_moves_and_logits_that_give_none_are_refused():
+    # computed over Python floats, as torch computes them in double over the masked logits
+    search = TreeSearch(TicTacToeEnv(), TensorDictModule(Net(), in_keys=["board"], out_keys=["logits", "value"]))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randn(9, generator=gen) * 10
+        legal = torch.rand(9, generator=gen) < 0.6
+        legal[int(torch.randint(9, (1,), generator=gen))] = True
+        expected = torch.softmax(logits.double().masked_fill(~legal, -math.inf), -1).tolist()
+        assert search._priors(logits.tolist(), legal.tolist()) == pytest.approx(expected, rel=1e-12, abs=1e-300)
+    legal = [True, True, False]
+    assert search._priors([0.0, -math.inf, math.nan], legal) == [1.0, 0.0, 0.0]  # an illegal move's nan is masked
+    for bad in ([math.nan, 0.0, 0.0], [math.inf, 0.0, 0.0], [-math.inf, -math.inf, 0.0]):
+        with pytest.raises(SearchError, match="'logits' give no distribution over the legal moves"):
+            search._priors(bad, legal)
+
+
 @pytest.mark.parametrize("key", ["logits", "value"])
 def test_a_policy_gone_nan_ends_the_search_by_name_leaving_no_walk_in_flight(key):
     # nan scores made the selection pick index -1: an illegal move, or an index error, far from the cause.

@@ -23,7 +23,8 @@ priors. It is written over the node's Python lists rather than by calling
 ``PUCTScore``, which scores one node per call with small tensor ops, each
 releasing and retaking the GIL that the other walkers wait for (the A/B is in
 ``docs/performance.md``). It would fit a search that scores a whole frontier
-of nodes in one call.
+of nodes in one call. A leaf's priors are computed the same way: a softmax
+over the legal moves' logits, read once per request into Python floats.
 
 The env's state lives in the TensorDict, as in TorchRL's ``TicTacToeEnv``:
 ``env.step`` from a state and an ``action``, a boolean action mask, ``done``
@@ -316,23 +317,26 @@ class TreeSearch:
         for node, action in path:
             node.pending[action] -= 1
 
-    def _priors(self, logits: torch.Tensor, legal: list[bool]) -> list[float]:
-        if logits.numel() != len(legal):
+    def _priors(self, logits: list[float], legal: list[bool]) -> list[float]:
+        """The softmax of ``logits`` over the legal moves (0 for the others), over a few Python floats."""
+        if len(logits) != len(legal):
             raise SearchError(
-                f"{self.prior_key!r} must hold one logit per action ({len(legal)}), got shape {tuple(logits.shape)}"
+                f"{self.prior_key!r} must hold one logit per action ({len(legal)}), got shape {(len(logits),)}"
             )
-        mask = torch.tensor(legal)
-        priors = torch.softmax(logits.double().reshape(-1).masked_fill(~mask, -torch.inf), -1)
-        if not bool(priors.isfinite().all()):  # (nan, or no legal move with a finite logit)
+        allowed = [x for x, ok in zip(logits, legal) if ok]
+        top = max(allowed, default=-math.inf)
+        if top == -math.inf or not all(-math.inf <= x < math.inf for x in allowed):  # (nan compares False)
             raise SearchError(f"the policy's {self.prior_key!r} give no distribution over the legal moves: {logits}")
-        return priors.tolist()
+        exps = [math.exp(x - top) if ok else 0.0 for x, ok in zip(logits, legal)]
+        total = sum(exps)
+        return [e / total for e in exps]
 
     def _request(self, leaves: list[Node]) -> TensorDictBase:
         if len(leaves) == 1 and self.leaves_per_request == 1:
             return leaves[0].state.select(*self.observation_keys)
         return torch.stack([leaf.state.select(*self.observation_keys) for leaf in leaves])
 
-    def _read(self, out: TensorDictBase, rows: int) -> tuple[torch.Tensor, list[float]]:
+    def _read(self, out: TensorDictBase, rows: int) -> tuple[list[list[float]], list[float]]:
         for key in (self.prior_key, self.value_key):
             if key not in out.keys(True):
                 raise SearchError(f"the policy's output has no {key!r} (it has {sorted(map(str, out.keys(True)))})")
@@ -344,7 +348,7 @@ class TreeSearch:
         values = value.reshape(-1).tolist()
         if not all(math.isfinite(v) for v in values):
             raise SearchError(f"{self.value_key!r} must be finite, got {values}")
-        return logits.reshape(rows, -1), values
+        return logits.reshape(rows, -1).tolist(), values
 
     def _walker(self, tree: Tree, run: _Run) -> Walker:
         """Claim simulations and walk them, ``leaves_per_request`` leaves a request, until none are left."""
