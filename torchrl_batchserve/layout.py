@@ -67,12 +67,15 @@ def _fields(td: TensorDictBase, batch_dims: int) -> Fields:
     return tuple(sorted(fields, key=lambda f: f[0]))
 
 
+def holds_tensors(value: Any) -> bool:
+    """Whether ``value`` is tensor data: a tensor, or a TensorDict that is not non-tensor data."""
+    return isinstance(value, torch.Tensor) or (isinstance(value, TensorDictBase) and not is_non_tensor(value))
+
+
 def _kind(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return "tensor"
-    if isinstance(value, TensorDictBase) and not is_non_tensor(value):
-        return "tensordict"
-    return "non-tensor"
+    return "tensordict" if holds_tensors(value) else "non-tensor"
 
 
 class Validated(NamedTuple):

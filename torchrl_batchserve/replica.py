@@ -27,11 +27,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase, is_non_tensor
+from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch.nn.parameter import is_lazy
 
 from torchrl_batchserve.errors import PolicyError
+from torchrl_batchserve.layout import holds_tensors
 from torchrl_batchserve.weights import ShadowWeights
 
 __all__ = ["Replica", "served_copy", "tensors"]
@@ -205,7 +206,7 @@ def tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
-        elif isinstance(value, TensorDictBase) and not is_non_tensor(value):
+        elif holds_tensors(value):
             yield from tensors(value.values(True, True))
 
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase, is_non_tensor
+from tensordict import TensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 
 from torchrl_batchserve.cache import EvaluationCache
@@ -41,7 +41,7 @@ from torchrl_batchserve.errors import (
     ServerClosedError,
 )
 from torchrl_batchserve.gate import GATE
-from torchrl_batchserve.layout import Layout
+from torchrl_batchserve.layout import Layout, holds_tensors
 from torchrl_batchserve.queue import FireReason, RequestQueue
 from torchrl_batchserve.replica import Replica, tensors
 from torchrl_batchserve.request import Relay, Request, fail_all, resolve
@@ -96,7 +96,7 @@ def owned(output: TensorDictBase, key: NestedKey, foreign: frozenset[int], devic
             return
         if _refs(value) > _FRESH or value._base is not None or value.untyped_storage().data_ptr() in foreign:
             output.set(key, value.clone())
-    elif isinstance(value, TensorDictBase) and not is_non_tensor(value):
+    elif holds_tensors(value):
         output.set(key, value.clone())
 
 

@@ -90,12 +90,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-from tensordict import TensorDict, TensorDictBase, is_non_tensor
+from tensordict import TensorDict
 from tensordict.nn import InteractionType
 
 from torchrl_batchserve.errors import BadRequestError, PolicyError, portable
 from torchrl_batchserve.intake import Intake
+from torchrl_batchserve.layout import holds_tensors
 from torchrl_batchserve.request import Request
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot, on_host, storable
 from torchrl_batchserve.transport.wire import Wire, dumps, frame
@@ -254,9 +254,7 @@ class _Client:
 
 
 def _to_host(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) or (isinstance(value, TensorDictBase) and not is_non_tensor(value)):
-        return value.cpu()
-    return value
+    return value.cpu() if holds_tensors(value) else value
 
 
 def _close_all(fds: Sequence[int]) -> None:
