@@ -10,7 +10,12 @@ in one process run, on the same policies and inputs as ``benchmarks/run.py``:
   one ``transport.client()`` per worker: the fastest of TorchRL's
   cross-process transports in ``docs/benchmarks_torchrl_transports.md``
   (``--torchrl-transports`` measures ``ProcessSlotTransport``,
-  ``SharedMemoryTransport`` and ``MPTransport`` side by side).
+  ``SharedMemoryTransport`` and ``MPTransport`` side by side);
+* ``floor`` (one call in flight per worker only): :class:`FloorServer`, the
+  least a lane server can do per request (a slot and two eventfds per worker,
+  one thread, one gather and one scatter a batch) and none of what a server
+  owes its callers: no checks, one key in and out, no versions, no faults
+  handled. What no design of the process path can beat on this host.
 
 Both servers: the same ``max_batch_size``, ``timeout`` and ``--device`` (where
 the policy runs; requests and results stay on the CPU), in this process.
@@ -31,8 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
+import select
 import statistics
+import threading
 import time
+from multiprocessing.reduction import DupFd
 from typing import Any
 
 import torch
@@ -50,6 +59,7 @@ from run import (
     save_report,
     served_on,
 )
+from tensordict import TensorDict, TensorDictBase
 from torchrl.modules.inference_server import InferenceServer, MPTransport, ProcessSlotTransport, SharedMemoryTransport
 
 from torchrl_batchserve import BatchedPolicyServer
@@ -61,6 +71,88 @@ _TRANSPORTS: dict[str, Any] = {
     "torchrl-shm": SharedMemoryTransport,
     "torchrl-mp": MPTransport,
 }
+
+
+class FloorServer:
+    """The floor of the process path: per worker a row of an input and an output tensor in shared memory,
+    a request eventfd and a reply eventfd; one thread gathers the rows of the workers that rang, once all
+    have (or ``timeout`` after the first), runs the policy on them and rings each one back.
+    """
+
+    def __init__(self, policy: Any, sample: TensorDictBase, workers: int, timeout: float) -> None:
+        (self.in_key,), (self.out_key,) = policy.in_keys, policy.out_keys
+        with torch.no_grad():
+            out = policy(sample.unsqueeze(0).clone()).get(self.out_key)
+        value = sample.get(self.in_key)
+        self.inputs = torch.zeros(workers, *value.shape, dtype=value.dtype).share_memory_()
+        self.outputs = torch.zeros(workers, *out.shape[1:], dtype=out.dtype).share_memory_()
+        self.bells = [(os.eventfd(0), os.eventfd(0)) for _ in range(workers)]
+        self._policy, self._timeout, self._stop = policy, timeout, os.eventfd(0)
+        self.batches = self.rows = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def client(self, index: int) -> FloorClient:
+        return FloorClient(self, index)
+
+    def _serve(self) -> None:
+        torch.set_grad_enabled(False)
+        torch.get_num_threads()  # this thread's intra-op team (as in the package's serve loop)
+        poller = select.epoll()
+        worker_of = {request: i for i, (request, _) in enumerate(self.bells)}
+        for request in [*worker_of, self._stop]:
+            poller.register(request, select.EPOLLIN)
+        rung: list[int] = []
+        first = 0.0
+        while True:
+            wait = -1.0 if not rung else max(0.0, first + self._timeout - time.monotonic())
+            for fd, _ in poller.poll(wait):
+                if fd == self._stop:
+                    return
+                os.eventfd_read(fd)
+                first = first if rung else time.monotonic()
+                rung.append(worker_of[fd])
+            if rung and (len(rung) == len(self.bells) or time.monotonic() - first >= self._timeout):
+                index = torch.tensor(rung)
+                batch = TensorDict({self.in_key: self.inputs.index_select(0, index)}, batch_size=[len(rung)])
+                self.outputs.index_copy_(0, index, self._policy(batch).get(self.out_key))
+                for i in rung:
+                    os.eventfd_write(self.bells[i][1], 1)
+                self.batches, self.rows, rung = self.batches + 1, self.rows + len(rung), []
+
+    def __enter__(self) -> FloorServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        os.eventfd_write(self._stop, 1)
+        self._thread.join()
+        for fd in [self._stop, *(fd for pair in self.bells for fd in pair)]:
+            os.close(fd)
+
+
+class FloorClient:
+    """A worker's end of :class:`FloorServer`: write the row, ring, wait, copy the outputs out."""
+
+    def __init__(self, server: FloorServer, index: int) -> None:
+        self.row, self.out = server.inputs[index], server.outputs[index]
+        self.keys, (self.request, self.reply) = (server.in_key, server.out_key), server.bells[index]
+
+    def __reduce__(self) -> tuple:
+        return _floor_client, (self.row, self.out, self.keys, DupFd(self.request), DupFd(self.reply))
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        self.row.copy_(td.get(self.keys[0]))
+        os.eventfd_write(self.request, 1)
+        os.eventfd_read(self.reply)
+        td.set(self.keys[1], self.out.clone())
+        return td
+
+
+def _floor_client(row: torch.Tensor, out: torch.Tensor, keys: tuple, request: Any, reply: Any) -> FloorClient:
+    client = FloorClient.__new__(FloorClient)
+    client.row, client.out, client.keys = row, out, keys
+    client.request, client.reply = request.detach(), reply.detach()
+    return client
 
 
 def worker(calls_of: list, payload: str, seed: int, calls: int, barrier: Any, results: Any) -> None:
@@ -114,6 +206,9 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any, tasks:
             kw["device"] = [device or torch.device("cpu")] * args.replicas
         server: Any = BatchedPolicyServer(policy, **kw)
         clients = [[server.remote_policy()] * tasks for _ in range(procs)]
+    elif system == "floor":
+        server = FloorServer(policy, make(torch.Generator().manual_seed(0)), procs, args.timeout)
+        clients = [[server.client(i)] for i in range(procs)]
     else:
         sample = make(torch.Generator().manual_seed(0))
         with torch.no_grad():
@@ -138,9 +233,12 @@ def measure(system: str, payload: str, procs: int, calls: int, args: Any, tasks:
         server_cpu = time.process_time() - server_cpu
         for w in workers:
             w.join(60)
-        mean_batch = (
-            server.statistics().mean_batch_size if system == "ours" else float(server.stats().get("avg_batch_size", 0))
-        )
+        if system == "ours":
+            mean_batch = server.statistics().mean_batch_size
+        elif system == "floor":
+            mean_batch = server.rows / server.batches
+        else:
+            mean_batch = float(server.stats().get("avg_batch_size", 0))
     starts, ends = [o[0] for o in out], [o[1] for o in out]
     latencies = [x for o in out for x in o[2]]
     n = len(latencies)
@@ -182,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
                 # Fewer calls per process in the large fleets: each run stays near the same length.
                 calls = (20 if args.quick else 1500) // (1 if payload == "vector" else 4) * min(8, procs) // procs
                 calls = max(calls, 20 * tasks)  # per process, shared by its tasks
-                for system in in_turn(systems, repeat):
+                floor = ["floor"] if tasks == 1 and args.device is None and not args.torchrl_transports else []
+                for system in in_turn(systems + floor, repeat):
                     r = measure(system, payload, procs, calls, args, tasks)
                     runs.setdefault((payload, spec, system), []).append(r)
                     print(
@@ -198,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
     for (payload, procs, system), rs in runs.items():
         if system != "ours":
             continue
-        theirs = runs[(payload, procs, "torchrl")]
+        theirs, floor = runs[(payload, procs, "torchrl")], runs.get((payload, procs, "floor"))
         rows.append(
             {
                 "payload": payload,
@@ -206,6 +305,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "ours": {k: statistics.median(r[k] for r in rs) for k in _MEDIANS},
                 "torchrl": {k: statistics.median(r[k] for r in theirs) for k in _MEDIANS},
                 "x_torchrl": statistics.median(a["rps"] / b["rps"] for a, b in zip(rs, theirs)),
+                "floor": floor and {k: statistics.median(r[k] for r in floor) for k in _MEDIANS},
+                "of_floor": floor and statistics.median(a["rps"] / b["rps"] for a, b in zip(rs, floor)),
             }
         )
     write_report(rows, args)
@@ -225,12 +326,15 @@ def write_report(rows: list[dict], args: Any) -> None:
         f"medians of {args.repeats} repeat(s), ratios within a repeat. Payloads, one intra-op thread in every "
         "thread and glibc malloc settings as in "
         "`docs/benchmarks.md`. "
-        "CPU per request: the server's process (all its threads) and the workers' timed loops, over all requests.",
+        "CPU per request: the server's process (all its threads) and the workers' timed loops, over all requests. "
+        "`floor`: the least a lane server can do (`FloorServer`: no checks, no versions, no faults handled; "
+        "one call in flight per worker): its req/s and CPU us/req of the server and of the workers, and ours "
+        "as a share of its req/s, in the same repeats.",
         "",
         "| payload | worker processes | ours req/s | TorchRL req/s | x TorchRL | ours p50/p99 ms "
         "| TorchRL p50/p99 ms | mean batch ours/TorchRL | CPU us/req server ours/TorchRL "
-        "| CPU us/req workers ours/TorchRL |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| CPU us/req workers ours/TorchRL | floor req/s (server/workers CPU us/req) | ours / floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         o, t = r["ours"], r["torchrl"]
@@ -239,9 +343,16 @@ def write_report(rows: list[dict], args: Any) -> None:
             f"| {r['payload']} | {procs} | {o['rps']:,.0f} | {t['rps']:,.0f} | **{r['x_torchrl']:.2f}** "
             f"| {o['p50_ms']:.2f}/{o['p99_ms']:.2f} | {t['p50_ms']:.2f}/{t['p99_ms']:.2f} "
             f"| {o['mean_batch']:.1f}/{t['mean_batch']:.1f} | {o['server_cpu_us']:.0f}/{t['server_cpu_us']:.0f} "
-            f"| {o['worker_cpu_us']:.0f}/{t['worker_cpu_us']:.0f} |"
+            f"| {o['worker_cpu_us']:.0f}/{t['worker_cpu_us']:.0f} | {_floor_cells(r)} |"
         )
     save_report(lines, args, "benchmarks_processes", "processes.py")
+
+
+def _floor_cells(row: dict) -> str:
+    f = row["floor"]
+    if not f:
+        return "| "
+    return f"{f['rps']:,.0f} ({f['server_cpu_us']:.0f}/{f['worker_cpu_us']:.0f}) | {row['of_floor']:.2f}"
 
 
 def write_transports_report(runs: dict[tuple, list[dict]], args: Any) -> None:

@@ -242,6 +242,8 @@ def test_process_benchmark_quick_smoke(tmp_path):
     rows = load_script("benchmarks", "processes").main(argv)["rows"]
     assert [row["procs"] for row in rows] == ["2", "2x4"]
     assert all(row["ours"]["rps"] > 0 and row["torchrl"]["rps"] > 0 for row in rows)
+    assert rows[0]["floor"]["rps"] > 0 and rows[0]["floor"]["mean_batch"] >= 1  # the floor: one call per worker
+    assert not rows[1]["floor"]
     assert "| vector | 2 x 4 tasks |" in (tmp_path / "benchmarks_processes_quick.md").read_text()
 
 
