@@ -127,6 +127,23 @@ def test_a_lone_caller_on_a_stream_of_its_own_has_its_request_read_after_that_st
     torch.testing.assert_close(result.cpu(), reference(make_mlp(), torch.full((8,), 0.5)), atol=1e-5, rtol=1e-4)
 
 
+def test_a_batch_of_cpu_requests_waits_for_no_trainers_kernels_on_the_default_stream():
+    # CPU requests are copied in, run and copied out on the replica's stream alone: the kernels a trainer
+    # queued on the default stream before the request (its usual stream) do not hold the batch up.
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, device="cuda", forward_timeout=60) as server:  # the serve thread runs it
+        remote = server.remote_policy()
+        remote(TensorDict(observation=torch.ones(8)))  # warmed up: the replica's kernels are loaded
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(400):  # the trainer's work, about a second of it, queued on the default stream
+            busy = torch.tanh(busy @ busy)
+        td = remote(TensorDict(observation=torch.ones(8)))
+        trainer_still_busy = not torch.cuda.default_stream().query()
+        torch.cuda.synchronize()
+    assert trainer_still_busy
+    torch.testing.assert_close(td["logits"], reference(make_mlp(), torch.ones(8)), atol=1e-5, rtol=1e-4)
+
+
 class _BufferedBesideATrainer(torch.nn.Module):
     """An MLP that writes its outputs into a buffer it keeps (as a CUDA-graph replay does), while a trainer's
     slow kernels are queued on the default stream."""

@@ -9,10 +9,11 @@ On CUDA, a batch's host-to-device copies, its forward, the copies of its
 outputs (those that make results their callers' own, the version stamp, the
 move to the output device) and weight applies are all queued on the
 replica's own stream, ordered with events: the stream waits for the stream
-the batch was stacked on (the current stream of the thread that runs the
-batch: the serve thread's default stream, or a lone caller's own stream) and
-for the snapshot's event before it reads them (a CPU replica of such a server
-waits for that event on the host), and the serve loop waits for the stream alone
+a batch of device inputs was stacked on (the current stream of the thread that
+runs the batch: the serve thread's default stream, or a lone caller's own
+stream; a batch of CPU inputs waits for no other stream) and for the
+snapshot's event before it reads them (a CPU replica of such a server waits
+for that event on the host), and the serve loop waits for the stream alone
 (never ``torch.cuda.synchronize()``, which would also wait for a trainer's
 kernels on the same GPU) before it hands results out. Results left on the
 device are marked as used on the callers' stream (``record_stream``): a
@@ -132,7 +133,9 @@ class Replica:
         ``static_rows``: each forward is padded to that many rows, and its
         output cut back to the batch's.
         """
-        if self._stream is not None:  # the batch was made on this thread's stream: a lone caller's may be its own
+        if self._stream is not None and any(t.is_cuda for t in tensors(batch.values())):
+            # Stacked on this thread's stream (a lone caller's may be its own): read after it. A batch of CPU
+            # inputs waits for nothing queued there, a trainer's kernels on the default stream included.
             self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with self.on_stream():
             batch = _on(batch, self.device)
