@@ -243,6 +243,25 @@ def test_worker_process_clients_of_a_server_whose_outputs_stay_on_cuda():
         )
 
 
+def test_a_worker_gets_device_outputs_though_a_trainers_kernels_wait_on_the_default_stream():
+    # Outputs left on the GPU (output_device="cuda") reach a worker's lane through a copy on a stream of the
+    # hub's own: on the serve thread's default stream it would wait for the trainer's kernels queued there.
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, device="cuda", output_device="cuda") as server:
+        copy = pickle.loads(pickle.dumps(server.remote_policy()))  # the process path, in this process
+        for _ in range(2):
+            copy(TensorDict(observation=torch.ones(8)))  # pickled, then in the lane it was offered
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(400):  # the trainer's work, about a second of it, queued on the default stream
+            busy = torch.tanh(busy @ busy)
+        td = copy(TensorDict(observation=torch.ones(8)))
+        trainer_still_busy = not torch.cuda.default_stream().query()
+        torch.cuda.synchronize()
+    assert trainer_still_busy
+    assert td["logits"].device.type == "cpu"
+    torch.testing.assert_close(td["logits"], reference(make_mlp(), torch.ones(8)), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_replicas_on_cuda_devices_serve_exact_results_and_every_push(mixed):
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] * (2 if torch.cuda.device_count() == 1 else 1)
