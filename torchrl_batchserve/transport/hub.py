@@ -188,16 +188,18 @@ class _Client:
 
         It fails this request alone, never the serve loop that completes it.
         """
-        with self.send_lock, _host_copies(request.values):
+        with self.send_lock:
             lane, seq = request.lane, request.seq
             self.in_flight -= 1
             try:
                 if request.error is not None:
                     self._send(_done(seq, request.error))
-                elif lane is None:
-                    self._send_outputs(request)
-                else:
-                    self._reply(request, lane)
+                    return
+                with _host_copies(request.values):
+                    if lane is None:
+                        self._send_outputs(request)
+                    else:
+                        self._reply(request, lane)
             except Exception as err:  # e.g. no memory for a slot
                 self._send(_done(seq, err))
 
