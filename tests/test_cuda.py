@@ -144,6 +144,21 @@ def test_a_batch_of_cpu_requests_waits_for_no_trainers_kernels_on_the_default_st
     torch.testing.assert_close(td["logits"], reference(make_mlp(), torch.ones(8)), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_requests_made_on_another_device_are_read_after_that_devices_stream_made_them():
+    # The replica's stream on cuda:0 waits for the stream the batch was stacked on, on the inputs' device.
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, device="cuda:0", forward_timeout=60) as server:
+        remote = server.remote_policy()
+        busy = torch.randn(4096, 4096, device="cuda:1")
+        for _ in range(200):  # slow work on cuda:1's default stream, ahead of the request's input
+            busy = torch.tanh(busy @ busy)
+        x = torch.full((8,), 0.5, device="cuda:1") + busy[0, :8] * 0
+        td = remote(TensorDict(observation=x))
+        logits = td["logits"].cpu()
+    torch.testing.assert_close(logits, reference(make_mlp(), torch.full((8,), 0.5)), atol=1e-5, rtol=1e-4)
+
+
 class _BufferedBesideATrainer(torch.nn.Module):
     """An MLP that writes its outputs into a buffer it keeps (as a CUDA-graph replay does), while a trainer's
     slow kernels are queued on the default stream."""

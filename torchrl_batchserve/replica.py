@@ -133,10 +133,12 @@ class Replica:
         ``static_rows``: each forward is padded to that many rows, and its
         output cut back to the batch's.
         """
-        if self._stream is not None and any(t.is_cuda for t in tensors(batch.values())):
-            # Stacked on this thread's stream (a lone caller's may be its own): read after it. A batch of CPU
-            # inputs waits for nothing queued there, a trainer's kernels on the default stream included.
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        if self._stream is not None:
+            # Device inputs were stacked on this thread's stream of their device (a lone caller's may be its
+            # own): read after it. A batch of CPU inputs waits for nothing queued there, a trainer's kernels on
+            # the default stream included.
+            for device in {t.device for t in tensors(batch.values()) if t.is_cuda}:
+                self._stream.wait_stream(torch.cuda.current_stream(device))
         with self.on_stream():
             batch = _on(batch, self.device)
             if not batch.batch_dims:  # packed: no rows to slice or pad
