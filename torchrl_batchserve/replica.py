@@ -36,7 +36,7 @@ from torchrl_batchserve.errors import PolicyError
 from torchrl_batchserve.layout import holds_tensors
 from torchrl_batchserve.weights import ShadowWeights
 
-__all__ = ["Replica", "served_copy", "tensors"]
+__all__ = ["Replica", "host_copies", "served_copy", "tensors"]
 
 
 def served_copy(policy: TensorDictModuleBase, device: torch.device | None) -> TensorDictModuleBase:
@@ -213,6 +213,24 @@ def tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
             yield value
         elif holds_tensors(value):
             yield from tensors(value.values(True, True))
+
+
+_COPY_STREAMS: dict[torch.device, Any] = {}
+
+
+def host_copies(values: Iterable[Any]) -> Any:
+    """Run the block's copies of ``values`` to the host on a stream of their device kept for that.
+
+    Not on the current stream (the default one), where a trainer's kernels may
+    be queued: a reply to a worker or a gateway would wait for them, and the
+    serve loop with it. The values are complete by then (:meth:`Replica.fetch`),
+    and a copy to the host returns once it is done. A no-op for CPU values.
+    """
+    device = next((t.device for t in tensors(values) if t.is_cuda), None)
+    if device is None:
+        return contextlib.nullcontext()
+    stream = _COPY_STREAMS.get(device) or _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    return torch.cuda.stream(stream)
 
 
 def _on_device(td: TensorDictBase, keys: Sequence[Any] | None, device: torch.device | None) -> bool:

@@ -73,7 +73,6 @@ the server die.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import math
@@ -91,14 +90,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from tensordict import TensorDict
 from tensordict.nn import InteractionType
 
 from torchrl_batchserve.errors import BadRequestError, PolicyError, portable
 from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.layout import holds_tensors
-from torchrl_batchserve.replica import tensors
+from torchrl_batchserve.replica import host_copies
 from torchrl_batchserve.request import Request
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot, on_host, storable
 from torchrl_batchserve.transport.wire import Wire, dumps, frame
@@ -195,7 +193,7 @@ class _Client:
                 if request.error is not None:
                     self._send(_done(seq, request.error))
                     return
-                with _host_copies(request.values):
+                with host_copies(request.values):
                     if lane is None:
                         self._send_outputs(request)
                     else:
@@ -256,24 +254,6 @@ class _Client:
                 close()
             except OSError:
                 pass
-
-
-_COPY_STREAMS: dict[torch.device, Any] = {}
-
-
-def _host_copies(values: Sequence[Any]) -> Any:
-    """Where a reply's device outputs are copied to the host: a stream of the hub's own on their device.
-
-    Not the serve thread's current stream (the default one), where a trainer's
-    kernels may be queued: the copy would wait for them, and the serve loop
-    with it. The outputs are complete by now (``Replica.fetch``), and a copy
-    to the host returns once it is done.
-    """
-    device = next((t.device for t in tensors(values) if t.is_cuda), None)
-    if device is None:
-        return contextlib.nullcontext()
-    stream = _COPY_STREAMS.get(device) or _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
-    return torch.cuda.stream(stream)
 
 
 def _to_host(value: Any) -> Any:
