@@ -127,13 +127,19 @@ def test_a_lone_caller_on_a_stream_of_its_own_has_its_request_read_after_that_st
     torch.testing.assert_close(result.cpu(), reference(make_mlp(), torch.full((8,), 0.5)), atol=1e-5, rtol=1e-4)
 
 
-def test_a_batch_of_cpu_requests_waits_for_no_trainers_kernels_on_the_default_stream():
-    # CPU requests are copied in, run and copied out on the replica's stream alone: the kernels a trainer
-    # queued on the default stream before the request (its usual stream) do not hold the batch up.
+@pytest.mark.parametrize("caller", ["thread", "worker"])
+def test_a_batch_of_cpu_requests_waits_for_no_trainers_kernels_on_the_default_stream(caller):
+    # CPU requests are copied in, run and copied out on the replica's stream alone, and a worker's outputs left
+    # on the GPU (output_device="cuda") reach its lane through a copy on a stream kept for that: the kernels a
+    # trainer queued on the default stream (its usual stream) before the request hold neither up.
     policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
-    with BatchedPolicyServer(policy, device="cuda", forward_timeout=60) as server:  # the serve thread runs it
+    kwargs = {"forward_timeout": 60} if caller == "thread" else {"output_device": "cuda"}  # 60: the serve thread
+    with BatchedPolicyServer(policy, device="cuda", **kwargs) as server:  # runs every batch, not the caller
         remote = server.remote_policy()
-        remote(TensorDict(observation=torch.ones(8)))  # warmed up: the replica's kernels are loaded
+        if caller == "worker":
+            remote = pickle.loads(pickle.dumps(remote))  # the process path, in this process
+        for _ in range(2):  # warmed up (a worker's first request travels pickled, the second in its lane)
+            remote(TensorDict(observation=torch.ones(8)))
         busy = torch.randn(4096, 4096, device="cuda")
         for _ in range(400):  # the trainer's work, about a second of it, queued on the default stream
             busy = torch.tanh(busy @ busy)
@@ -141,6 +147,7 @@ def test_a_batch_of_cpu_requests_waits_for_no_trainers_kernels_on_the_default_st
         trainer_still_busy = not torch.cuda.default_stream().query()
         torch.cuda.synchronize()
     assert trainer_still_busy
+    assert td["logits"].device.type == "cpu"
     torch.testing.assert_close(td["logits"], reference(make_mlp(), torch.ones(8)), atol=1e-5, rtol=1e-4)
 
 
@@ -256,25 +263,6 @@ def test_worker_process_clients_of_a_server_whose_outputs_stay_on_cuda():
         torch.testing.assert_close(
             td["logits"], reference(make_mlp(), torch.full((8,), float(i))), atol=1e-5, rtol=1e-4
         )
-
-
-def test_a_worker_gets_device_outputs_though_a_trainers_kernels_wait_on_the_default_stream():
-    # Outputs left on the GPU (output_device="cuda") reach a worker's lane through a copy on a stream of the
-    # hub's own: on the serve thread's default stream it would wait for the trainer's kernels queued there.
-    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
-    with BatchedPolicyServer(policy, device="cuda", output_device="cuda") as server:
-        copy = pickle.loads(pickle.dumps(server.remote_policy()))  # the process path, in this process
-        for _ in range(2):
-            copy(TensorDict(observation=torch.ones(8)))  # pickled, then in the lane it was offered
-        busy = torch.randn(4096, 4096, device="cuda")
-        for _ in range(400):  # the trainer's work, about a second of it, queued on the default stream
-            busy = torch.tanh(busy @ busy)
-        td = copy(TensorDict(observation=torch.ones(8)))
-        trainer_still_busy = not torch.cuda.default_stream().query()
-        torch.cuda.synchronize()
-    assert trainer_still_busy
-    assert td["logits"].device.type == "cpu"
-    torch.testing.assert_close(td["logits"], reference(make_mlp(), torch.ones(8)), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mixed", [False, True])
