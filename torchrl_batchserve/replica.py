@@ -226,7 +226,7 @@ def host_copies(values: Iterable[Any]) -> Any:
     serve loop with it. The values are complete by then (:meth:`Replica.fetch`),
     and a copy to the host returns once it is done. A no-op for CPU values.
     """
-    device = next((t.device for t in tensors(values) if t.is_cuda), None)
+    device = next((t.device for t in tensors(values) if t.is_cuda), None) if torch.cuda.is_initialized() else None
     if device is None:
         return contextlib.nullcontext()
     stream = _COPY_STREAMS.get(device) or _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
