@@ -623,6 +623,25 @@ def test_torchrls_ray_collector_given_the_handle_collects_through_the_server_and
         assert handle.statistics().rows >= 96
 
 
+@pytest.fixture
+def torchrl_semaphores_removed():
+    """Unlink the named semaphores (``/dev/shm/sem.mp-*``) that appeared during the test.
+
+    A ``MultiSyncCollector`` in a Ray actor leaves its ``multiprocessing``
+    semaphores behind: Ray ends the actor's child processes, its resource
+    tracker among them, before they are unlinked (22 a run here). The package
+    makes none (its shared memory is memfds, its bells eventfds), so what
+    appears meanwhile is theirs; unlinking a name leaves any open handle working.
+    """
+    before = set(os.listdir("/dev/shm"))
+    yield
+    for name in set(os.listdir("/dev/shm")) - before:
+        if name.startswith("sem.mp-"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/shm", name))
+
+
+@pytest.mark.usefixtures("torchrl_semaphores_removed")
 def test_worker_processes_of_a_collector_on_an_actor_node_reach_the_server_through_the_nodes_gateway(cluster):
     # each remote collector a MultiSyncCollector: it pickles the policy into spawned processes, which are not Ray
     # processes and cannot unpickle the server actor's handle; they get the hub of their node's gateway instead
