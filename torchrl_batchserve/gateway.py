@@ -48,7 +48,7 @@ from torchrl_batchserve.errors import (
     portable,
 )
 from torchrl_batchserve.remote import RemotePolicy
-from torchrl_batchserve.replica import host_copies
+from torchrl_batchserve.replica import to_host
 from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics
 from torchrl_batchserve.transport.wire import dumps
@@ -315,7 +315,7 @@ def serve_link(server: BatchedPolicyServer, conn: Connection, returned: list) ->
     def answer(done: Future) -> bytes:
         error = done.exception()
         # on the host: a CUDA tensor (output_device="cuda") would unpickle on the gateway's GPU, or fail there
-        outputs = None if error is not None else _each(done.result(), lambda td: _on_host(td.select(*returned)))
+        outputs = None if error is not None else _each(done.result(), lambda td: to_host(td.select(*returned)))
         try:
             return outcome(error, outputs)
         except Exception as err:  # outputs that do not pickle: this batch fails, not the link
@@ -379,11 +379,6 @@ def recv(conn: Connection) -> tuple:
 def outcome(error: BaseException | None, outputs: Any) -> bytes:
     """A batch's reply pickled on its own: one that a gateway cannot unpickle fails that batch, not the link."""
     return dumps((None if error is None else portable(error), outputs))
-
-
-def _on_host(td: TensorDictBase) -> TensorDictBase:
-    with host_copies(td.values()):
-        return td.cpu()
 
 
 def _each(items: Any, fn: Callable[[Any], Any]) -> Any:

@@ -36,7 +36,7 @@ from torchrl_batchserve.errors import PolicyError
 from torchrl_batchserve.layout import holds_tensors
 from torchrl_batchserve.weights import ShadowWeights
 
-__all__ = ["Replica", "host_copies", "served_copy", "tensors"]
+__all__ = ["Replica", "host_copies", "served_copy", "tensors", "to_host"]
 
 
 def served_copy(policy: TensorDictModuleBase, device: torch.device | None) -> TensorDictModuleBase:
@@ -231,6 +231,14 @@ def host_copies(values: Iterable[Any]) -> Any:
         return contextlib.nullcontext()
     stream = _COPY_STREAMS.get(device) or _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
     return torch.cuda.stream(stream)
+
+
+def to_host(value: Any) -> Any:
+    """``value`` on the CPU, copied there under :func:`host_copies` (non-tensor data as it is)."""
+    if not holds_tensors(value):
+        return value
+    with host_copies((value,)):
+        return value.cpu()
 
 
 def _on_device(td: TensorDictBase, keys: Sequence[Any] | None, device: torch.device | None) -> bool:

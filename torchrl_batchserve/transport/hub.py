@@ -95,8 +95,7 @@ from tensordict.nn import InteractionType
 
 from torchrl_batchserve.errors import BadRequestError, PolicyError, portable
 from torchrl_batchserve.intake import Intake
-from torchrl_batchserve.layout import holds_tensors
-from torchrl_batchserve.replica import host_copies
+from torchrl_batchserve.replica import host_copies, to_host
 from torchrl_batchserve.request import Request
 from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot, on_host, storable
 from torchrl_batchserve.transport.wire import Wire, dumps, frame
@@ -193,10 +192,10 @@ class _Client:
                 if request.error is not None:
                     self._send(_done(seq, request.error))
                     return
-                with host_copies(request.values):
-                    if lane is None:
-                        self._send_outputs(request)
-                    else:
+                if lane is None:
+                    self._send_outputs(request)
+                else:
+                    with host_copies(request.values):  # the lane's copies, device outputs included
                         self._reply(request, lane)
             except Exception as err:  # e.g. no memory for a slot
                 self._send(_done(seq, err))
@@ -209,7 +208,7 @@ class _Client:
         """
         keys, values = list(request.keys), list(request.values)
         if request.device is not None and request.device.type == "cpu":
-            values = [_to_host(v) for v in values]
+            values = [to_host(v) for v in values]
         try:
             message = _done(request.seq, values=values, keys=keys)
         except Exception as err:
@@ -254,10 +253,6 @@ class _Client:
                 close()
             except OSError:
                 pass
-
-
-def _to_host(value: Any) -> Any:
-    return value.cpu() if holds_tensors(value) else value
 
 
 def _close_all(fds: Sequence[int]) -> None:
