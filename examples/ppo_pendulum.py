@@ -20,10 +20,10 @@ the server's statistics of each iteration (``log_statistics`` to TorchRL's
                                                            # TorchRL's AsyncBatchedCollector, same envs
                                                            # (docs/processes.md has the numbers)
 
-TorchRL's ``PPOTrainer`` config is not used: its loss node would need the
-served module as its actor (a node of ours returning ``server.module``,
-not written yet), and its hooks would hide the few lines that make the
-point here; the update is written out instead, with TorchRL's pieces.
+The update is written out with TorchRL's pieces rather than run by TorchRL's
+``trainer: ppo`` config, whose hooks would hide the few lines that make the
+point here; that config trains the served module too, through our
+``model/batchserve_served`` node (``docs/configuration.md``).
 """
 
 from __future__ import annotations

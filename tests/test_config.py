@@ -13,7 +13,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf.errors import ValidationError
-from tensordict.nn import TensorDictModule
+from tensordict import TensorDict
+from tensordict.nn import InteractionType, NormalParamExtractor, TensorDictModule, set_interaction_type
+from torchrl.modules import ProbabilisticActor, ValueOperator
 from torchrl.trainers.algorithms.configs.common import ConfigBase
 
 import torchrl_batchserve.config  # noqa: F401  (registers our nodes)
@@ -102,6 +104,116 @@ def test_a_torchrl_collector_config_collects_through_our_server_and_takes_pushed
     finally:
         collector.shutdown()
         server.close()
+
+
+def make_actor() -> ProbabilisticActor:
+    """A Gaussian policy over the angle and speed, as PPO trains it."""
+    torch.manual_seed(0)
+    module = TensorDictModule(
+        PendulumFeatures(2, NormalParamExtractor()), in_keys=["th", "thdot"], out_keys=["loc", "scale"]
+    )
+    return ProbabilisticActor(
+        module, in_keys=["loc", "scale"], distribution_class=torch.distributions.Normal, return_log_prob=True
+    )
+
+
+def make_critic() -> ValueOperator:
+    torch.manual_seed(1)
+    return ValueOperator(PendulumFeatures(1), in_keys=["th", "thdot"])
+
+
+class PendulumFeatures(torch.nn.Module):
+    def __init__(self, out: int, head: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, out)
+        self.head = head or torch.nn.Identity()
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lin(torch.stack([th.sin(), th.cos(), thdot], -1)))
+
+
+# TorchRL's own trainer: its PPO loss trains the served module (model/batchserve_served) and its
+# UpdateWeights hook pushes it through our scheme (weight_update_map) after each batch.
+TRAINER_RECIPE = f"""
+defaults:
+  - env: pendulum_for_tests
+  - collector: sync
+  - server@server: batchserve
+  - model@actor: batchserve_served
+  - loss: ppo
+  - optimizer: adam
+  - trainer: ppo
+  - _self_
+server:
+  name: trainer_recipe
+  max_batch_size: 8
+  timeout: 0.005
+  policy: {{_target_: {__name__}.make_actor}}
+actor:
+  server: ${{server}}
+collector:
+  create_env_fn: ${{env}}
+  frames_per_batch: 16
+  total_frames: 48
+  auto_register_policy_transforms: false
+  policy:
+    _target_: torchrl_batchserve.config.remote_policy
+    server: ${{server}}
+  weight_sync_schemes:
+    policy:
+      _target_: torchrl_batchserve.config.weight_sync_scheme
+      server: ${{server}}
+loss:
+  actor_network: ${{actor}}
+  critic_network: {{_target_: {__name__}.make_critic}}
+trainer:
+  collector: ${{collector}}
+  loss_module: ${{loss}}
+  optimizer: ${{optimizer}}
+  total_frames: 48
+  optim_steps_per_batch: 2
+  replay_buffer: null
+  logger: null
+  save_trainer_file: null
+  progress_bar: false
+  weight_update_map: {{policy: loss_module.actor_network}}
+"""
+
+
+@pytest.mark.filterwarnings("ignore:.*experimental:UserWarning")  # TorchRL's own note on its trainers
+def test_torchrls_ppo_trainer_config_trains_the_served_module_and_serves_each_update(tmp_path):
+    (tmp_path / "trainer.yaml").write_text(TRAINER_RECIPE)
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        cfg = compose(config_name="trainer")
+    trainer = instantiate(cfg.trainer)
+    server = instantiate(cfg.server)
+    try:
+        assert trainer.loss_module.actor_network is server.module  # one module: trained here, served there
+        before = TensorDict.from_module(server.module).clone()
+        versions: list[list[int]] = []
+        trainer.register_op("batch_process", lambda batch: versions.append(batch["policy_version"].unique().tolist()))
+        trainer.train()
+        assert versions == [[0], [1], [2]]  # each batch collected with the weights of the update before it
+        assert server.policy_version == 3
+        trained = TensorDict.from_module(server.module)
+        assert not (trained == before).all()  # the optimizer stepped the served module in place
+        td = TensorDict(th=torch.tensor(0.3), thdot=torch.tensor(-0.2))
+        with set_interaction_type(InteractionType.DETERMINISTIC):
+            served = server.remote_policy()(td.clone())
+            with torch.no_grad():
+                expected = server.module(td.clone())
+        assert int(served["policy_version"]) == 3
+        torch.testing.assert_close(served["loc"], expected["loc"])  # the last update is what serves
+    finally:
+        trainer.collector.shutdown()
+        server.close()
+
+
+def test_a_served_module_node_refuses_a_server_without_a_module_here():
+    node = {"_target_": "torchrl_batchserve.config.served_module", "server": {"_target_": "builtins.object"}}
+    with pytest.raises(HydraException, match="built in this process, got object") as failed:
+        instantiate(node)
+    assert isinstance(failed.value.__cause__, TypeError)
 
 
 def test_a_wrong_value_fails_at_compose_time_naming_the_key(recipe_dir):

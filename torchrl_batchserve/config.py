@@ -1,7 +1,7 @@
 """Hydra/OmegaConf at the edge: structured configs that compose with TorchRL's, and builders.
 
 This is the only module that imports Hydra or OmegaConf; the core takes typed
-arguments. Four nodes, registered in Hydra's ConfigStore when this module is
+arguments. Five nodes, registered in Hydra's ConfigStore when this module is
 imported, in the style of ``torchrl.trainers.algorithms.configs``
 (``ConfigBase`` dataclasses with a ``_target_``):
 
@@ -13,12 +13,17 @@ imported, in the style of ``torchrl.trainers.algorithms.configs``
 - ``weight_sync_scheme/batchserve`` (:class:`WeightSyncSchemeConfig`): that
   server's ``weight_sync_scheme()``, e.g. as
   ``collector.weight_sync_schemes.policy``;
+- ``model/batchserve_served`` (:class:`ServedModuleConfig`): that server's
+  ``module``, the one it was built with, for the trainer to train in place,
+  e.g. as ``loss.actor_network`` of TorchRL's ``trainer: ppo`` (whose
+  ``weight_update_map: {policy: loss_module.actor_network}`` then pushes it
+  through the scheme after each batch: ``docs/configuration.md``);
 - ``server/batchserve_ray`` (:class:`RayServerConfig`): a server started as a
   Ray actor (:func:`~torchrl_batchserve.ray.serve_on_ray`), whose handle the
   two nodes above take too, and which TorchRL's collector node with
   ``backend: ray`` takes as its ``policy`` (``policy: ${server}``).
 
-The last two hold the server node (``server: ${server}``); however many nodes
+The last three hold the server node (``server: ${server}``); however many nodes
 refer to it, instantiating them builds one server::
 
     defaults:
@@ -62,12 +67,14 @@ from torchrl_batchserve.server import BatchedPolicyServer
 __all__ = [
     "RayServerConfig",
     "RemotePolicyConfig",
+    "ServedModuleConfig",
     "ServerConfig",
     "WeightSyncSchemeConfig",
     "build_server",
     "ray_server",
     "register_configs",
     "remote_policy",
+    "served_module",
     "server",
     "weight_sync_scheme",
 ]
@@ -166,6 +173,17 @@ class WeightSyncSchemeConfig(ConfigBase):
         """Nothing to derive."""
 
 
+@dataclass
+class ServedModuleConfig(ConfigBase):
+    """``server.module`` of the server node ``server``: the module it was built with, for a trainer to train."""
+
+    _target_: str = "torchrl_batchserve.config.served_module"
+    server: Any = MISSING
+
+    def __post_init__(self) -> None:
+        """Nothing to derive."""
+
+
 # name -> (settings, server): held weakly, so a server nobody uses any more (a closed one, its
 # replicas' device memory included) is not kept alive by its name.
 _SERVERS: dict[str, tuple[dict, weakref.ref[Any]]] = {}
@@ -245,6 +263,24 @@ def weight_sync_scheme(server: Any) -> Any:
     return server.weight_sync_scheme()
 
 
+def served_module(server: Any) -> torch.nn.Module:
+    """``server.module``: the module a server node's server was built with, e.g. a loss's ``actor_network``.
+
+    The server serves its own copy of its weights; training this module
+    changes nothing served until it is pushed (``update_policy_weights_()``
+    through the server's scheme, or ``server.update_weights()``). A Ray
+    server node has no module in this process: ``TypeError``.
+    """
+    module = getattr(server, "module", None)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"a model/batchserve_served node needs a server node built in this process, got {type(server).__name__}: "
+            "a Ray-served policy lives in its actor, so build the trainer's module from the policy node and push "
+            "it (weight_update_map, or handle.update_weights(module))"
+        )
+    return module
+
+
 def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
 
@@ -315,14 +351,16 @@ def _sample(entries: dict, prefix: tuple = ()) -> TensorDict:
 def register_configs() -> None:
     """Register the nodes in Hydra's ConfigStore (done on import; calling it again is harmless).
 
-    ``server/batchserve``, ``server/batchserve_ray``, ``policy/batchserve_remote``
-    and ``weight_sync_scheme/batchserve``, next to TorchRL's own groups.
+    ``server/batchserve``, ``server/batchserve_ray``, ``policy/batchserve_remote``,
+    ``weight_sync_scheme/batchserve`` and ``model/batchserve_served``, next to
+    TorchRL's own groups.
     """
     store = ConfigStore.instance()
     store.store(group="server", name="batchserve", node=ServerConfig)
     store.store(group="server", name="batchserve_ray", node=RayServerConfig)
     store.store(group="policy", name="batchserve_remote", node=RemotePolicyConfig)
     store.store(group="weight_sync_scheme", name="batchserve", node=WeightSyncSchemeConfig)
+    store.store(group="model", name="batchserve_served", node=ServedModuleConfig)
 
 
 register_configs()
