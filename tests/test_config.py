@@ -48,6 +48,21 @@ class PendulumEnvConfig(ConfigBase):
 
 ConfigStore.instance().store(group="env", name="pendulum_for_tests", node=PendulumEnvConfig)
 
+# A collector whose policy and weight-sync scheme come from the one server node.
+COLLECTOR = """collector:
+  create_env_fn: ${env}
+  frames_per_batch: 16
+  total_frames: 48
+  auto_register_policy_transforms: false
+  policy:
+    _target_: torchrl_batchserve.config.remote_policy
+    server: ${server}
+  weight_sync_schemes:
+    policy:
+      _target_: torchrl_batchserve.config.weight_sync_scheme
+      server: ${server}
+"""
+
 RECIPE = f"""
 defaults:
   - env: pendulum_for_tests
@@ -60,19 +75,7 @@ server:
   timeout: 0.005
   policy:
     _target_: {__name__}.make_policy
-collector:
-  create_env_fn: ${{env}}
-  frames_per_batch: 16
-  total_frames: 48
-  auto_register_policy_transforms: false
-  policy:
-    _target_: torchrl_batchserve.config.remote_policy
-    server: ${{server}}
-  weight_sync_schemes:
-    policy:
-      _target_: torchrl_batchserve.config.weight_sync_scheme
-      server: ${{server}}
-"""
+{COLLECTOR}"""
 
 
 @pytest.fixture
@@ -151,18 +154,7 @@ server:
   policy: {{_target_: {__name__}.make_actor}}
 actor:
   server: ${{server}}
-collector:
-  create_env_fn: ${{env}}
-  frames_per_batch: 16
-  total_frames: 48
-  auto_register_policy_transforms: false
-  policy:
-    _target_: torchrl_batchserve.config.remote_policy
-    server: ${{server}}
-  weight_sync_schemes:
-    policy:
-      _target_: torchrl_batchserve.config.weight_sync_scheme
-      server: ${{server}}
+{COLLECTOR}
 loss:
   actor_network: ${{actor}}
   critic_network: {{_target_: {__name__}.make_critic}}
