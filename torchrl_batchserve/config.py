@@ -13,18 +13,19 @@ imported, in the style of ``torchrl.trainers.algorithms.configs``
 - ``weight_sync_scheme/batchserve`` (:class:`WeightSyncSchemeConfig`): that
   server's ``weight_sync_scheme()``, e.g. as
   ``collector.weight_sync_schemes.policy``;
-- ``model/batchserve_served`` (:class:`ServedModuleConfig`): that server's
-  ``module``, the one it was built with, for the trainer to train in place,
-  e.g. as ``loss.actor_network`` of TorchRL's ``trainer: ppo`` (whose
-  ``weight_update_map: {policy: loss_module.actor_network}`` then pushes it
-  through the scheme after each batch: ``docs/configuration.md``);
 - ``server/batchserve_ray`` (:class:`RayServerConfig`): a server started as a
   Ray actor (:func:`~torchrl_batchserve.ray.serve_on_ray`), whose handle the
   two nodes above take too, and which TorchRL's collector node with
-  ``backend: ray`` takes as its ``policy`` (``policy: ${server}``).
+  ``backend: ray`` takes as its ``policy`` (``policy: ${server}``);
+- ``model/batchserve_served`` (:class:`ServedModuleConfig`): a server node's
+  ``module``, the one it was built with, for the trainer to train in place,
+  e.g. as ``loss.actor_network`` of TorchRL's ``trainer: ppo`` (whose
+  ``weight_update_map: {policy: loss_module.actor_network}`` then pushes it
+  through the scheme after each batch: ``docs/configuration.md``).
 
-The last three hold the server node (``server: ${server}``); however many nodes
-refer to it, instantiating them builds one server::
+The remote policy, scheme and module nodes hold the server node (``server:
+${server}``); however many nodes refer to it, instantiating them builds one
+server::
 
     defaults:
       - collector: sync                 # TorchRL's Collector config
