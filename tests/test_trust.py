@@ -179,7 +179,9 @@ class PendulumPolicy(torch.nn.Module):
         return 2 * torch.tanh(self.lin(torch.stack([th.sin(), th.cos(), thdot], -1)))
 
 
-def test_the_server_passed_as_a_collectors_policy_serves_batched_and_refuses_to_be_pickled():
+def test_the_server_given_to_a_collector_in_this_process_is_refused_with_our_advice_and_refuses_to_be_pickled():
+    # Given the server itself, a collector's update_policy_weights_() would copy the trainer's weights onto
+    # themselves and serve the old ones on, silently: it is refused at construction, saying what to pass.
     import pickle
 
     from torchrl.collectors import Collector
@@ -191,18 +193,13 @@ def test_the_server_passed_as_a_collectors_policy_serves_batched_and_refuses_to_
     with BatchedPolicyServer(policy, max_batch_size=8, timeout=0.005) as server:
         with pytest.raises(TypeError, match=r"give worker processes .* server.remote_policy\(\)"):
             pickle.dumps(server)
-        collector = Collector(PendulumEnv, server, frames_per_batch=16, total_frames=32, **kw)
-        try:
-            batches = list(collector)
-        finally:
-            collector.shutdown()
-        served = server.statistics().requests
-    frames = sum(b.numel() for b in batches)
-    assert served >= frames // 2 > 0  # through the server, batched, versioned
-    for batch in batches:
-        assert batch["policy_version"].eq(0).all()
-        with torch.no_grad():
-            torch.testing.assert_close(batch["action"], net(batch["th"], batch["thdot"]))
+        with pytest.raises(TypeError, match=r"Collector was given the BatchedPolicyServer .* server.remote_policy\(\)"):
+            Collector(PendulumEnv, server, frames_per_batch=16, total_frames=32, **kw)
+        td = TensorDict(th=torch.ones(()), thdot=torch.zeros(()))
+        served = server(td.clone())  # called directly, it serves batched, as a RemotePolicy does
+    assert int(served["policy_version"]) == 0 and server.statistics().requests == 1
+    with torch.no_grad():
+        torch.testing.assert_close(served["action"], net(td["th"], td["thdot"]))
 
 
 def test_a_policy_breaking_its_contract_raises_policy_error_naming_the_key():

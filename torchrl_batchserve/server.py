@@ -156,8 +156,11 @@ class BatchedPolicyServer(TensorDictModule):
     which a trainer may train in place while the server serves, then push
     with ``server.update_weights()`` (no argument: that module's current
     weights). Calling the server, ``server(td)``, serves ``td`` batched like
-    a ``RemotePolicy`` (so ``Collector(env, server)`` is served batched); the
-    server itself cannot be pickled: worker processes take ``remote_policy()``.
+    a ``RemotePolicy``. It is no collector's policy, though: given the server,
+    a TorchRL collector raises ``TypeError`` at construction (one in this
+    process would copy the trainer's weights onto themselves at
+    ``update_policy_weights_()`` and serve the old ones on; the server cannot
+    be pickled into workers). Collectors take ``remote_policy()``.
 
     Args:
         policy: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with
@@ -373,6 +376,15 @@ class BatchedPolicyServer(TensorDictModule):
     def forward(self, tensordict: TensorDictBase, *args: Any, **kwargs: Any) -> TensorDictBase:
         """Serve ``tensordict`` batched, as ``server.remote_policy()(tensordict)`` does."""
         return self._endpoint.call(tensordict)
+
+    def register_collector(self, collector: Any) -> None:
+        """Refuse to be a collector's policy (TorchRL's ``Collector`` calls this on the policy it is given)."""
+        raise TypeError(
+            f"{type(collector).__name__} was given the BatchedPolicyServer as its policy: give it "
+            "server.remote_policy(), with weight_sync_schemes={'policy': server.weight_sync_scheme()} so that "
+            "update_policy_weights_() serves the trained weights. Given the server itself, the collector would copy "
+            "the weights onto themselves and the server would go on serving its old version"
+        )
 
     def __reduce__(self) -> tuple:
         # A multi-process collector would pickle the server and sync its parameters into
