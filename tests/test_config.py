@@ -109,6 +109,16 @@ def test_a_torchrl_collector_config_collects_through_our_server_and_takes_pushed
         server.close()
 
 
+class PendulumFeatures(torch.nn.Module):
+    def __init__(self, out: int, head: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, out)
+        self.head = head or torch.nn.Identity()
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lin(torch.stack([th.sin(), th.cos(), thdot], -1)))
+
+
 def make_actor() -> ProbabilisticActor:
     """A Gaussian policy over the angle and speed, as PPO trains it."""
     torch.manual_seed(0)
@@ -123,16 +133,6 @@ def make_actor() -> ProbabilisticActor:
 def make_critic() -> ValueOperator:
     torch.manual_seed(1)
     return ValueOperator(PendulumFeatures(1), in_keys=["th", "thdot"])
-
-
-class PendulumFeatures(torch.nn.Module):
-    def __init__(self, out: int, head: torch.nn.Module | None = None) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(3, out)
-        self.head = head or torch.nn.Identity()
-
-    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
-        return self.head(self.lin(torch.stack([th.sin(), th.cos(), thdot], -1)))
 
 
 # TorchRL's own trainer: its PPO loss trains the served module (model/batchserve_served) and its
