@@ -209,6 +209,10 @@ def test_pad_constructor_errors_name_the_argument():
         PadCollate([("x", 1)])
     with pytest.raises(TypeError, match="mask_key: expected a key .*, got 3"):
         PadCollate(["x"], mask_key=3)
+    with pytest.raises(TypeError, match=r"trim_keys: expected a list of keys .*, got 5"):
+        PadCollate(["x"], trim_keys=5)
+    with pytest.raises(TypeError, match=r"element_keys: expected a list of keys .*, got 2"):
+        PackCollate(["x"], element_keys=2)
     with pytest.raises(TypeError, match="LengthCost key: expected a key .*, got 5"):
         LengthCost(5)
     # a class passes the protocol's isinstance check (its methods, unbound) and failed at the first batch

@@ -16,7 +16,7 @@ elements and never a padded one.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,8 @@ def _key_set(name: str, keys: Any, *, required: bool) -> tuple[NestedKey, ...]:
         keys = ()
     if isinstance(keys, str):
         keys = (keys,)
+    if not isinstance(keys, Iterable):
+        raise TypeError(f"{name}: expected a list of keys (each a str or a tuple of str), got {keys!r}")
     out = tuple(_key(k, name) for k in keys)
     if required and not out:
         raise ValueError(f"{name} must name at least one entry (got {keys!r})")
