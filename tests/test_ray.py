@@ -708,6 +708,9 @@ def test_closing_a_ray_server_tells_its_actors_on_every_node_that_it_closed(clus
     running = [a.until_error.remote(120) for a in actors]
     while handle.statistics().batches < 6:  # all are calling
         time.sleep(0.05)
+    with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds >= 0 \(got 'soon'\)"):
+        handle.close(timeout="soon")  # refused before anything closes: the actors call on
+    assert not handle.closed
     assert handle.close()
     assert [name for name, _ in ray.get(running, timeout=120)] == ["ServerClosedError"] * 3
     # and so is every later call, though the server actor is gone by now

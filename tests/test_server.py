@@ -629,6 +629,17 @@ def test_graceful_close_serves_what_was_queued():
     assert server.statistics().fired["closing"] == 1
 
 
+def test_a_close_timeout_that_is_no_number_of_seconds_is_refused_and_the_server_serves_on():
+    with BatchedPolicyServer(make_mlp(), in_keys=["observation"], out_keys=["logits"]) as server:
+        remote = server.remote_policy()
+        for bad in (-1, float("nan"), "5"):
+            with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds >= 0 \(got"):
+                server.close(timeout=bad)
+        assert not server.closed
+        assert remote(obs())["logits"].shape == (3,)
+    assert server.closed
+
+
 def test_close_wakes_blocked_thread_callers():
     gated = GatedPolicy(make_mlp())
     server = BatchedPolicyServer(gated, max_batch_size=1, timeout=1e6).start()
@@ -1123,8 +1134,6 @@ def test_statistics_since_an_earlier_snapshot_cover_only_what_came_after(policy)
 def test_statistics_flatten_for_loggers_and_convert_with_asdict(policy):
     import dataclasses
 
-    from torchrl.record.loggers import CSVLogger
-
     from torchrl_batchserve import log_statistics
 
     with BatchedPolicyServer(policy, max_batch_size=4) as server:
@@ -1146,7 +1155,8 @@ def test_statistics_flatten_for_loggers_and_convert_with_asdict(policy):
     recorder = Recorder()
     log_statistics(recorder, stats, step=7, prefix="serve/")
     assert recorder.scalars["serve/requests"] == (1.0, 7) and len(recorder.scalars) == len(flat)
-    assert isinstance(CSVLogger, type)  # the helper's intended target; its doctest logs to one
+    with pytest.raises(TypeError, match=r"a ServerStatistics \(server.statistics\(\)\), got BatchedPolicyServer"):
+        log_statistics(recorder, server)  # the server where its statistics go
 
 
 def test_batches_that_mostly_fire_on_the_timeout_far_below_capacity_log_advice_once(policy, caplog, monkeypatch):

@@ -66,7 +66,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError, own_copy
 from torchrl_batchserve.gateway import Gateway, LinkListener, Unstacked
 from torchrl_batchserve.remote import RemotePolicy
-from torchrl_batchserve.server import BatchedPolicyServer
+from torchrl_batchserve.server import BatchedPolicyServer, check_seconds
 from torchrl_batchserve.stats import ServerStatistics
 from torchrl_batchserve.transport.wire import dumps
 from torchrl_batchserve.weights import ShadowWeights, as_weights
@@ -210,6 +210,7 @@ class RayServer:
 
     def close(self, timeout: float = 30.0) -> bool:
         """Close the server and its gateways, then end its actor; True when the serve loops stopped."""
+        timeout = check_seconds("timeout", timeout)
         self.closed = True
         try:
             stopped = ray.get(self.actor.close.remote(timeout), timeout=timeout + 10)

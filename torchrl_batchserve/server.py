@@ -100,7 +100,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _check_seconds(name: str, value: Any, positive: bool = False) -> float:
+def check_seconds(name: str, value: Any, positive: bool = False) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -255,9 +255,9 @@ class BatchedPolicyServer(TensorDictModule):
         policy = _as_policy(policy, in_keys, out_keys)
         _warn_if_rows_mix(policy)
         _check_int("max_batch_size", max_batch_size, 1)
-        timeout = _check_seconds("timeout", timeout)
+        timeout = check_seconds("timeout", timeout)
         if forward_timeout is not None:
-            forward_timeout = _check_seconds("forward_timeout", forward_timeout, positive=True)
+            forward_timeout = check_seconds("forward_timeout", forward_timeout, positive=True)
         if max_queue_size is not None:
             _check_int("max_queue_size", max_queue_size, 1)
         if static_batch_size is not None and _check_int("static_batch_size", static_batch_size, 1) < max_batch_size:
@@ -421,6 +421,8 @@ class BatchedPolicyServer(TensorDictModule):
         in all (``None``: until the loops stop); when it gives up, every
         request still queued fails with ``ServerClosedError``.
         """
+        if timeout is not None:
+            timeout = check_seconds("timeout", timeout)  # before anything closes: a bad call changes nothing
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:

@@ -147,6 +147,8 @@ def log_statistics(logger: Any, statistics: ServerStatistics, step: int | None =
         >>> sorted(csv.experiment.scalars)[:3]
         ['server/batches', 'server/cache_coalesced', 'server/cache_hit_rate']
     """
+    if not isinstance(statistics, ServerStatistics):
+        raise TypeError(f"statistics must be a ServerStatistics (server.statistics()), got {type(statistics).__name__}")
     for name, value in statistics.as_dict().items():
         logger.log_scalar(prefix + name, float(value), step=step)
 
