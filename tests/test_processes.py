@@ -120,7 +120,9 @@ def test_remote_policy_survives_every_start_method(method):
     with BatchedPolicyServer(policy, timeout=0.01) as server:
         remote = server.remote_policy()
         outs = run_workers(ctx, pw.random_requests, [(remote, seed, 10) for seed in range(2)])
+    assert sorted(seed for seed, _, _ in outs) == [0, 1]
     for _, _, out in outs:
+        assert len(out) == 10
         check_results(net, out)
 
 
