@@ -251,6 +251,7 @@ def test_a_worker_killed_mid_request_wedges_nothing_and_its_slot_is_reclaimed():
         wait_for(lambda: server._endpoint.lazy_hub.hub.clients == 0, "the hub to drop the dead worker")
         outs = run_workers(SPAWN, pw.random_requests, [(remote, seed, 15) for seed in (5, 6)])
         assert results.empty()  # the victim never reported anything
+    assert [len(out) for _, _, out in outs] == [15, 15]
     for _, _, out in outs:
         check_results(gated.net, out)
     gc.collect()
