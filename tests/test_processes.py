@@ -765,6 +765,29 @@ def test_collector_weight_updates_reach_the_server(kind):
     assert seen == [[0], [1], [2]]  # new rollouts carry the new version
 
 
+@pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector"])
+def test_a_collector_whose_policy_holds_no_remote_policy_is_refused_by_our_scheme_for_its_policy(kind):
+    # The pushes would reach the server while the collector ran its own copy of the weights, never updated.
+    from torchrl.collectors import Collector, MultiSyncCollector
+    from torchrl.envs import PendulumEnv
+
+    policy = TensorDictModule(PendulumPolicy(), in_keys=["th", "thdot"], out_keys=["action"])
+    local = copy.deepcopy(policy)
+    kw = {"frames_per_batch": 32, "total_frames": 64, "auto_register_policy_transforms": False}
+    make = Collector if kind == "Collector" else lambda env, *a, **k: MultiSyncCollector([env] * 2, *a, **k)
+    with BatchedPolicyServer(policy, max_batch_size=8) as server:
+        with pytest.raises(TypeError, match=rf"the {kind}'s policy \(TensorDictModule\) holds no RemotePolicy"):
+            make(PendulumEnv, local, weight_sync_schemes={"policy": server.weight_sync_scheme()}, **kw)
+        if kind == "Collector":  # under another name the scheme updates the server beside the collector's policy
+            collector = Collector(PendulumEnv, local, weight_sync_schemes={"served": server.weight_sync_scheme()}, **kw)
+            try:
+                for _ in collector:
+                    collector.update_policy_weights_(weights_dict={"served": policy})
+            finally:
+                collector.shutdown()
+            assert server.policy_version == 2
+
+
 @pytest.mark.parametrize("target", ["server", "scheme"])
 def test_the_legacy_weight_updater_serves_the_trained_module_on_an_update_with_no_argument(target):
     # It dropped update_policy_weights_() with no argument: a trainer training the served module in place

@@ -20,9 +20,11 @@ import warnings
 from typing import Any
 
 from tensordict import TensorDictBase
+from torch import nn
 from torchrl.weight_update import WeightSyncScheme
 
 from torchrl_batchserve.distributed import WeightBroadcaster, check_group
+from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.weights import as_weights
 
 __all__ = ["BatchServeWeightSyncScheme", "weight_updater"]
@@ -67,6 +69,12 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
     no argument) serves the current weights of the module the server was
     built with, the one a trainer trains in place, or over a weight group
     those of ``module``.
+
+    As a collector's ``"policy"`` scheme it needs a collector whose policy
+    holds a :class:`~torchrl_batchserve.RemotePolicy`: any other policy would
+    never run the pushed weights, and the collector raises ``TypeError`` at
+    construction. Under another name it updates a server beside the
+    collector's own policy.
 
     Examples:
         >>> import torch
@@ -120,6 +128,8 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         self._model_id = model_id
         if context is not None:
             self.context = context
+            if model_id == "policy":  # the collector's own policy (under another id it is one more model to push)
+                _check_served(getattr(context, "policy", None), type(context).__name__)
 
     def _setup_connection_and_weights_on_sender_impl(
         self, *, worker_idx: int | None = None, weights: Any = None
@@ -196,6 +206,20 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         where = self._rendezvous
         target = "server in this process" if where is None else f"weight group {where[0]}:{where[1]} of {where[2]}"
         return f"{type(self).__name__}({target})"
+
+
+def _check_served(policy: Any, collector: str) -> None:
+    """Refuse a collector policy that the scheme's pushes never reach: one that holds no RemotePolicy.
+
+    (A policy made in the workers by a ``policy_factory`` is not here to check.)
+    """
+    if isinstance(policy, nn.Module) and not any(isinstance(m, RemotePolicy) for m in policy.modules()):
+        raise TypeError(
+            f"weight_sync_schemes['policy'] pushes to a BatchedPolicyServer, but the {collector}'s policy "
+            f"({type(policy).__name__}) holds no RemotePolicy: it would run its own weights and never the pushed "
+            "ones. Give the collector server.remote_policy() (or, to update a server beside the collector's own "
+            "policy, register the scheme under another name)"
+        )
 
 
 _UPDATER: type | None = None
