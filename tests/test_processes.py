@@ -765,6 +765,46 @@ def test_collector_weight_updates_reach_the_server(kind):
     assert seen == [[0], [1], [2]]  # new rollouts carry the new version
 
 
+def test_a_multi_async_collectors_rows_each_carry_the_version_that_computed_their_action():
+    # Its workers collect while the trainer pushes: a batch may mix versions, each row computed by its own.
+    # A worker starts each batch after the "continue" it is sent before the batch before it is yielded, so
+    # every batch but the first of each worker and the next one of iteration 0's worker was begun after a push.
+    from torchrl.collectors import MultiAsyncCollector
+    from torchrl.envs import PendulumEnv
+
+    policy = TensorDictModule(PendulumPolicy(), in_keys=["th", "thdot"], out_keys=["action"])
+    trainer = copy.deepcopy(policy)
+    weights = [TensorDict.from_module(trainer).data.clone()]  # by version
+    with BatchedPolicyServer(policy, max_batch_size=8, timeout=0.005) as server:
+        collector = MultiAsyncCollector(
+            [PendulumEnv] * 2,
+            server.remote_policy(),
+            weight_sync_schemes={"policy": server.weight_sync_scheme()},
+            frames_per_batch=32,
+            total_frames=160,
+            auto_register_policy_transforms=False,
+        )
+        oldest = []
+        try:
+            for batch in collector:
+                versions = batch["policy_version"]
+                assert int(versions.max()) < len(weights)  # none newer than the pushes made so far
+                for version in versions.unique().tolist():
+                    rows, net = batch[versions == version], copy.deepcopy(policy.module)
+                    weights[version]["module"].to_module(net)
+                    with torch.no_grad():
+                        torch.testing.assert_close(rows["action"], net(rows["th"], rows["thdot"]))
+                oldest.append(int(versions.min()))
+                with torch.no_grad():
+                    trainer.module.lin.weight.add_(0.25)
+                collector.update_policy_weights_(trainer)
+                weights.append(TensorDict.from_module(trainer).data.clone())
+        finally:
+            collector.shutdown()
+    assert len(oldest) == 5 and server.policy_version == 5
+    assert sum(v >= 1 for v in oldest) >= 2, oldest
+
+
 @pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector"])
 def test_a_collector_whose_policy_holds_no_remote_policy_is_refused_by_our_scheme_for_its_policy(kind):
     # The pushes would reach the server while the collector ran its own copy of the weights, never updated.
