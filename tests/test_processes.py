@@ -767,8 +767,9 @@ def test_collector_weight_updates_reach_the_server(kind):
 
 def test_a_multi_async_collectors_rows_each_carry_the_version_that_computed_their_action():
     # Its workers collect while the trainer pushes: a batch may mix versions, each row computed by its own.
-    # A worker starts each batch after the "continue" it is sent before the batch before it is yielded, so
-    # every batch but the first of each worker and the next one of iteration 0's worker was begun after a push.
+    # TorchRL tells a worker to go on before it yields that worker's batch, so the next one may begin before
+    # the push that follows. A batch whose worker was told to go on after a push (all but each worker's first,
+    # and the second of the worker of iteration 0) carries that push's version or a newer one.
     from torchrl.collectors import MultiAsyncCollector
     from torchrl.envs import PendulumEnv
 
