@@ -502,7 +502,7 @@ def make_plot(rows: list[dict], path: Path) -> Path | None:
         ax.set_ylabel("requests / s")
         ax.set_title(f"{payload} payload")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    next(ax for ax in axes if ax.get_visible()).legend(fontsize=8)  # (with --only pixels the first is hidden)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
