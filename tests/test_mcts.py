@@ -411,6 +411,26 @@ def test_a_step_into_a_stuck_state_and_an_illegal_move_are_refused():
     search.close()
 
 
+def test_a_finished_game_is_refused_as_a_root_whether_given_or_reached_by_advance():
+    # After a win, TicTacToe's mask still shows the free cells: searched, it handed out a move of a game over.
+    env = TicTacToeEnv()
+    with BatchedPolicyServer(make_policy()) as server:
+        search = TreeSearch(env, server.remote_policy())
+        state, tree = env.reset(), search.tree(env.reset())
+        for action in (0, 3, 1, 4, 2):  # the first player fills the top row
+            state = env.step(state.set("action", torch.tensor(action)))["next"]
+            tree = search.advance(tree, action)
+        assert bool(state["done"]) and any(tree.root.legal)
+        with pytest.raises(ValueError, match=r"state is a finished game \('done' is True\): there is no move"):
+            search.tree(state)
+        with pytest.raises(ValueError, match="the root is a finished game: there is nothing to search"):
+            search.run(tree, 3)
+        with pytest.raises(ValueError, match="the root is a finished game: there is nothing to search"):
+            asyncio.run(search.arun(tree, 3))
+        search.close()
+        assert server.statistics().requests == 0  # nothing was evaluated
+
+
 @pytest.mark.parametrize("mode", ["threads", "asyncio"])
 def test_a_server_that_closes_mid_search_ends_it_with_a_typed_error(mode):
     env = TicTacToeEnv()

@@ -229,7 +229,13 @@ class TreeSearch:
     # -- the tree ------------------------------------------------------------------------------
 
     def tree(self, state: TensorDictBase) -> Tree:
-        """A fresh tree rooted at ``state`` (e.g. ``env.reset()``)."""
+        """A fresh tree rooted at ``state`` (e.g. ``env.reset()``); ``ValueError`` for a finished game.
+
+        (Its mask may still show free cells: searched, it would hand out a move of a game that is over.)
+        """
+        done = state.get(self.done_key, None)
+        if done is not None and bool(done.any()):
+            raise ValueError(f"state is a finished game ({self.done_key!r} is True): there is no move to search")
         return Tree(self._node(state.select(*self.state_keys), None))
 
     def advance(self, tree: Tree, action: int) -> Tree:
