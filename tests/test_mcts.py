@@ -411,7 +411,7 @@ def test_a_step_into_a_stuck_state_and_an_illegal_move_are_refused():
     search.close()
 
 
-def test_a_finished_game_is_refused_as_a_root_whether_given_or_reached_by_advance():
+def test_a_finished_game_is_refused_as_a_root_whether_given_or_reached_by_advance_and_is_never_played_on():
     # After a win, TicTacToe's mask still shows the free cells: searched, it handed out a move of a game over.
     env = TicTacToeEnv()
     with BatchedPolicyServer(make_policy()) as server:
@@ -427,6 +427,8 @@ def test_a_finished_game_is_refused_as_a_root_whether_given_or_reached_by_advanc
             search.run(tree, 3)
         with pytest.raises(ValueError, match="the root is a finished game: there is nothing to search"):
             asyncio.run(search.arun(tree, 3))
+        with pytest.raises(ValueError, match="the root is a finished game: there is no move to play"):
+            search.advance(tree, 5)  # a free cell, which the env would have stepped into
         search.close()
         assert server.statistics().requests == 0  # nothing was evaluated
 

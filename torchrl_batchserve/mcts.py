@@ -240,6 +240,8 @@ class TreeSearch:
 
     def advance(self, tree: Tree, action: int) -> Tree:
         """The tree after ``action`` is played: the child's subtree, its statistics kept."""
+        if tree.root.terminal is not None:
+            raise ValueError("the root is a finished game: there is no move to play")
         legal = [a for a, ok in enumerate(tree.root.legal) if ok]
         if isinstance(action, bool) or action not in legal:
             raise ValueError(f"action must be a legal move of the root, one of {legal} (got {action!r})")
