@@ -24,7 +24,7 @@ from ray import cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from torchrl_batchserve import EvaluationCache, LengthCost, PackCollate, PadCollate  # noqa: E402
-from torchrl_batchserve.errors import ServerBrokenError, WeightSyncError  # noqa: E402
+from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError  # noqa: E402
 from torchrl_batchserve.ray import RayServer, push_weights, serve_on_ray  # noqa: E402
 
 pytestmark = [
@@ -708,13 +708,22 @@ def test_closing_a_ray_server_tells_its_actors_on_every_node_that_it_closed(clus
     running = [a.until_error.remote(120) for a in actors]
     while handle.statistics().batches < 6:  # all are calling
         time.sleep(0.05)
+    # refused here, before anything reaches the actor or closes: the actors call on
     with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds >= 0 \(got 'soon'\)"):
-        handle.close(timeout="soon")  # refused before anything closes: the actors call on
+        handle.close(timeout="soon")
+    with pytest.raises(TypeError, match=r"since must be a ServerStatistics \(an earlier statistics\(\)\), got int"):
+        handle.statistics(since=5)
+    for servers in ([], [handle, 5]):
+        with pytest.raises(TypeError, match=r"servers must be a non-empty sequence of RayServer handles"):
+            push_weights(servers, factory())
     assert not handle.closed
-    assert handle.close()
+    assert handle.close() and handle.close()  # the second returns what the first did
     assert [name for name, _ in ray.get(running, timeout=120)] == ["ServerClosedError"] * 3
     # and so is every later call, though the server actor is gone by now
     assert [name for name, _ in ray.get([a.until_error.remote(30) for a in actors])] == ["ServerClosedError"] * 3
+    for use in (lambda: handle.update_weights(factory()), handle.statistics, handle.gateway_statistics):
+        with pytest.raises(ServerClosedError, match=r"the server is closed \(this handle closed it\)"):
+            use()  # not Ray's ActorDiedError
 
 
 def test_a_dead_server_actor_fails_every_waiting_actor_promptly(cluster):
@@ -999,7 +1008,6 @@ def test_a_gateway_starting_on_one_node_holds_up_no_other_nodes_connect_and_one_
     import types
 
     from torchrl_batchserve import ray as batchserve_ray
-    from torchrl_batchserve.errors import ServerClosedError
 
     release, entered, killed, started, closed = threading.Event(), threading.Event(), [], [], []
 

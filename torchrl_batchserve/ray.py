@@ -67,7 +67,7 @@ from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, Weig
 from torchrl_batchserve.gateway import Gateway, LinkListener, Unstacked
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer, check_seconds
-from torchrl_batchserve.stats import ServerStatistics
+from torchrl_batchserve.stats import ServerStatistics, check_since
 from torchrl_batchserve.transport.wire import dumps
 from torchrl_batchserve.weights import ShadowWeights, as_weights
 
@@ -154,6 +154,7 @@ class RayServer:
         self._layout = ShadowWeights(layout, optional=optional)
         self._version = 0  # the newest version this handle pushed or saw
         self.closed = False  # whether close() was called on this handle
+        self._stopped: bool | None = None  # what close() returned
 
     def __reduce__(self) -> tuple:
         layout = self._layout
@@ -199,6 +200,8 @@ class RayServer:
 
     def statistics(self, since: ServerStatistics | None = None) -> ServerStatistics:
         """The server's :meth:`~torchrl_batchserve.BatchedPolicyServer.statistics` (a gateway batch: one request)."""
+        check_since(since)
+        self._check_open()
         return _ask(self.actor, "statistics", since)
 
     def gateway_statistics(self) -> dict[str, ServerStatistics]:
@@ -206,18 +209,31 @@ class RayServer:
 
         A gateway whose node died (or that no longer answers) is left out.
         """
+        self._check_open()
         return _ask(self.actor, "gateway_statistics")
 
     def close(self, timeout: float = 30.0) -> bool:
-        """Close the server and its gateways, then end its actor; True when the serve loops stopped."""
+        """Close the server and its gateways, then end its actor; True when the serve loops stopped.
+
+        Idempotent: a second call returns what the first did. After it, this
+        handle's pushes and statistics raise
+        :class:`~torchrl_batchserve.errors.ServerClosedError` (the actor is gone).
+        """
         timeout = check_seconds("timeout", timeout)
+        if self._stopped is not None:
+            return self._stopped
         self.closed = True
         try:
             stopped = ray.get(self.actor.close.remote(timeout), timeout=timeout + 10)
         except (RayActorError, GetTimeoutError):
             stopped = False
         ray.kill(self.actor, no_restart=True)
+        self._stopped = stopped
         return stopped
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ServerClosedError("the server is closed (this handle closed it) and its actor is gone")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(in_keys={self.in_keys}, out_keys={self.out_keys})"
@@ -234,6 +250,11 @@ def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
     newest any of them serves or any of these handles pushed (a restarted
     server included), so all serve it under one number.
     """
+    servers = list(servers)
+    if not servers or not all(isinstance(s, RayServer) for s in servers):
+        raise TypeError(f"servers must be a non-empty sequence of RayServer handles (serve_on_ray), got {servers!r}")
+    for server in servers:
+        server._check_open()
     if weights is None:
         raise WeightSyncError(
             "a Ray-served server has no trainer module in this process to take weights from: pass the weights "

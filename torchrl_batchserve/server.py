@@ -40,7 +40,7 @@ from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.remote import RemotePolicy, primers_of
 from torchrl_batchserve.replica import Replica, served_copy
 from torchrl_batchserve.serve import Serving
-from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder
+from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder, check_since
 from torchrl_batchserve.transport.local import LazyHub, LocalEndpoint
 from torchrl_batchserve.varlen import PackCollate
 from torchrl_batchserve.weights import ShadowWeights, non_persistent
@@ -547,8 +547,7 @@ class BatchedPolicyServer(TensorDictModule):
         after it: counters are differences and percentiles cover the newer
         samples only, e.g. one training iteration with warm-up left out.
         """
-        if since is not None and not isinstance(since, ServerStatistics):
-            raise TypeError(f"since must be a ServerStatistics (an earlier statistics()), got {type(since).__name__}")
+        check_since(since)
         replicas = tuple(ReplicaStatistics(str(r.device), r.batches, r.rows, r.version) for r in self._replicas)
         return self._stats.snapshot(self._weights.latest_version, self.cache, replicas, since)
 

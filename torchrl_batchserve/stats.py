@@ -128,6 +128,12 @@ class ServerStatistics:
         )
 
 
+def check_since(since: Any) -> None:
+    """``TypeError`` unless ``since`` is ``None`` or a :class:`ServerStatistics` (a ``statistics(since=...)``)."""
+    if since is not None and not isinstance(since, ServerStatistics):
+        raise TypeError(f"since must be a ServerStatistics (an earlier statistics()), got {type(since).__name__}")
+
+
 def log_statistics(logger: Any, statistics: ServerStatistics, step: int | None = None, prefix: str = "server/") -> None:
     """Log ``statistics.as_dict()`` to a TorchRL ``Logger`` (anything with ``log_scalar(name, value, step)``).
 
