@@ -388,6 +388,13 @@ def test_versions_are_exact_across_pushes_and_a_bad_push_changes_nothing(cluster
         # A handle pickled elsewhere (a trainer on another node) pushes to the same server.
         copy = cloudpickle.loads(cloudpickle.dumps(handle))
         assert isinstance(copy, RayServer) and copy.update_weights(pushed[5]) == 6
+        # A version given, as BatchedPolicyServer.update_weights takes it (e.g. the training step)
+        assert handle.update_weights(pushed[3], version=10) == 10
+        assert ray.get(actors[0].calls.remote(1))[0][2] == 10
+        for version, message in ((10, "version must increase: staged 10, got 10"), ("11", "must be an int")):
+            with pytest.raises(WeightSyncError, match=message):
+                handle.update_weights(pushed[3], version=version)
+        assert handle.statistics().policy_version == 10 and handle.update_weights(pushed[5]) == 11
 
 
 def test_a_handle_its_copy_and_its_scheme_push_a_state_dict_that_leaves_out_a_non_persistent_buffer(cluster):

@@ -69,7 +69,7 @@ from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer, check_seconds
 from torchrl_batchserve.stats import ServerStatistics, check_since
 from torchrl_batchserve.transport.wire import dumps
-from torchrl_batchserve.weights import ShadowWeights, as_weights
+from torchrl_batchserve.weights import ShadowWeights, as_weights, check_version
 
 __all__ = ["RayServer", "push_weights", "serve_on_ray"]
 
@@ -165,7 +165,7 @@ class RayServer:
         """A :class:`~torchrl_batchserve.RemotePolicy` that works in any Ray task, actor or driver."""
         return RemotePolicy(RayEndpoint(self.actor), self.in_keys, self.out_keys, self._primer)
 
-    def update_weights(self, weights: Any = None) -> int:
+    def update_weights(self, weights: Any = None, *, version: int | None = None) -> int:
         """Push ``weights`` (a module, a TensorDict or a state_dict); return the version they serve as.
 
         :func:`push_weights` to this server alone: checked here first, a
@@ -173,8 +173,10 @@ class RayServer:
         nothing is sent and the server keeps its weights. No weights (a
         collector's ``update_policy_weights_()``) is a ``WeightSyncError``
         too: this process holds no served module to take them from.
+        ``version``: as :meth:`BatchedPolicyServer.update_weights
+        <torchrl_batchserve.BatchedPolicyServer.update_weights>` takes it.
         """
-        return push_weights([self], weights)
+        return push_weights([self], weights, version=version)
 
     # TorchRL's RayCollector(policy=...) takes a Ray-owned inference service: one that says
     # service_backend == "ray" and has client(), clients(n) and update_model_weights(weights).
@@ -239,7 +241,7 @@ class RayServer:
         return f"{type(self).__name__}(in_keys={self.in_keys}, out_keys={self.out_keys})"
 
 
-def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
+def push_weights(servers: Sequence[RayServer], weights: Any, *, version: int | None = None) -> int:
     """Push one set of weights to every server of ``servers`` as one version; return it.
 
     ``weights`` is a module, a TensorDict or a state_dict. It is checked
@@ -248,7 +250,9 @@ def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
     server keeps its weights. It then goes into Ray's object store once, and
     each server stages it between two of its batches. The version follows the
     newest any of them serves or any of these handles pushed (a restarted
-    server included), so all serve it under one number.
+    server included), so all serve it under one number; or it is
+    ``version``, which must be newer than that
+    (:class:`~torchrl_batchserve.errors.WeightSyncError` otherwise).
     """
     servers = list(servers)
     if not servers or not all(isinstance(s, RayServer) for s in servers):
@@ -260,6 +264,7 @@ def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
             "a Ray-served server has no trainer module in this process to take weights from: pass the weights "
             "(a module, a TensorDict or a state_dict)"
         )
+    version = check_version(version)
     tensors = as_weights(weights)
     for server in servers:
         tensors = server._layout.fit(tensors)
@@ -267,6 +272,10 @@ def push_weights(servers: Sequence[RayServer], weights: Any) -> int:
     try:
         current = max(_ask(s.actor, "version") for s in servers)
         after = max([current, *(s._version for s in servers)])
+        if version is not None:
+            if version <= after:
+                raise WeightSyncError(f"version must increase: staged {after}, got {version}")
+            after = version - 1  # each server stages the one after this
         versions = [_ask(s.actor, "update_weights", stored, after) for s in servers]
     except RayTaskError as err:
         raise _cause(err) from None
