@@ -938,6 +938,20 @@ def test_a_policy_with_uninitialized_lazy_weights_is_refused_naming_them():
     torch.testing.assert_close(out["logits"], policy(out.clone())["logits"])
 
 
+def test_a_policy_with_weights_on_the_meta_device_is_refused_naming_them():
+    # Before, accepted: every batch then failed with torch's "Tensor on device meta is not on the expected device".
+    with torch.device("meta"):
+        net = make_mlp()
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+    for device in (None, "cpu"):
+        with pytest.raises(ValueError, match=r"\['module.0.weight', 'module.0.bias', .*\] are on the meta device"):
+            BatchedPolicyServer(policy, device=device)
+    net.to_empty(device="cpu").load_state_dict(make_mlp().state_dict())
+    with BatchedPolicyServer(policy) as server:
+        out = server.remote_policy()(obs())
+    torch.testing.assert_close(out["logits"], make_mlp()(out["observation"]))
+
+
 def test_constructor_rejects_policies_without_keys():
     with pytest.raises(TypeError, match="plain nn.Module: pass in_keys= and out_keys="):
         BatchedPolicyServer(torch.nn.Linear(2, 2))

@@ -45,11 +45,18 @@ def served_copy(policy: TensorDictModuleBase, device: torch.device | None) -> Te
     Parameters, buffers and submodules are copied; a plain attribute that
     cannot be copied (a lock, an event, a handle) is shared with ``policy``.
     """
-    lazy = [name for name, t in (*policy.named_parameters(), *policy.named_buffers()) if is_lazy(t)]
+    weights = [*policy.named_parameters(), *policy.named_buffers()]
+    lazy = [name for name, t in weights if is_lazy(t)]
     if lazy:
         raise ValueError(
             f"the policy's {lazy} are not initialized (lazy modules): call the policy once on a sample request "
             "(e.g. policy(env.reset())) before serving it, so that the served copy has the weights it has"
+        )
+    meta = [name for name, t in weights if t.is_meta]
+    if meta:
+        raise ValueError(
+            f"the policy's {meta} are on the meta device: they hold no values to serve. Give it real weights "
+            "first (policy.to_empty(device=...), then load_state_dict)"
         )
     memo: dict[int, Any] = {}
     for module in policy.modules():
