@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import re
 import subprocess
 import sys
 import threading
@@ -907,11 +908,17 @@ def test_a_push_that_leaves_out_a_buffer_keeps_the_value_an_earlier_push_gave_it
             torch.testing.assert_close(out["logits"], later.linear(out["observation"] + pushed.offset))
 
 
-def test_a_policy_whose_batch_norm_is_in_training_mode_is_served_with_a_warning_to_call_eval():
-    net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+def test_a_policy_whose_batch_norm_or_dropout_is_in_training_mode_is_served_with_a_warning_to_call_eval():
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 3)
+    )
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
-    with pytest.warns(UserWarning, match=r"batch norms \['module.1'\] are in training mode.*policy.eval\(\)"):
+    with pytest.warns(UserWarning) as caught:
         BatchedPolicyServer(policy).close()
+    messages = [str(w.message) for w in caught if "training mode" in str(w.message)]
+    assert len(messages) == 2
+    assert re.search(r"batch norms \['module.1'\] are in training mode.*policy.eval\(\)", messages[0])
+    assert re.search(r"dropouts \['module.2'\] are in training mode: each forward zeroes units", messages[1])
     policy.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

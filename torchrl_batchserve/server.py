@@ -69,29 +69,36 @@ def _as_policy(policy: Any, in_keys: Any, out_keys: Any) -> TensorDictModuleBase
     raise TypeError(f"policy must be a TensorDictModuleBase or an nn.Module, got {type(policy).__name__}")
 
 
-_BATCH_NORMS = (
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.LazyBatchNorm1d,
-    nn.LazyBatchNorm2d,
-    nn.LazyBatchNorm3d,
-    nn.SyncBatchNorm,
+# Modules whose training mode changes what a served row gets, and how.
+_TRAINING_MODE = (
+    (
+        "batch norms",
+        (
+            *(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
+            *(nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d),
+        ),
+        "each row's outputs would depend on the other rows of its batch (and a batch of one row fails)",
+    ),
+    (
+        "dropouts",
+        (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout),
+        "each forward zeroes units at random",
+    ),
 )
 
 
-def _warn_if_rows_mix(policy: nn.Module) -> None:
-    training = [
-        name or type(m).__name__ for name, m in policy.named_modules() if isinstance(m, _BATCH_NORMS) and m.training
-    ]
-    if training:
-        warnings.warn(
-            f"the policy's batch norms {training} are in training mode: each row's outputs would depend on the "
-            "other rows of its batch (and a batch of one row fails). The server serves its copy in the mode the "
-            "policy has when the server is built: call policy.eval() first",
-            UserWarning,
-            stacklevel=3,
-        )
+def _warn_if_training(policy: nn.Module) -> None:
+    for kind, classes, effect in _TRAINING_MODE:
+        training = [
+            name or type(m).__name__ for name, m in policy.named_modules() if isinstance(m, classes) and m.training
+        ]
+        if training:
+            warnings.warn(
+                f"the policy's {kind} {training} are in training mode: {effect}. The server serves its copy in the "
+                "mode the policy has when the server is built: call policy.eval() first",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -253,7 +260,7 @@ class BatchedPolicyServer(TensorDictModule):
         out_keys: Sequence[NestedKey] | None = None,
     ) -> None:
         policy = _as_policy(policy, in_keys, out_keys)
-        _warn_if_rows_mix(policy)
+        _warn_if_training(policy)
         _check_int("max_batch_size", max_batch_size, 1)
         timeout = check_seconds("timeout", timeout)
         if forward_timeout is not None:
