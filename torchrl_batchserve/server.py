@@ -74,8 +74,13 @@ _TRAINING_MODE = (
     (
         "batch norms",
         (
-            *(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
-            *(nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d),
+            nn.BatchNorm1d,
+            nn.BatchNorm2d,
+            nn.BatchNorm3d,
+            nn.LazyBatchNorm1d,
+            nn.LazyBatchNorm2d,
+            nn.LazyBatchNorm3d,
+            nn.SyncBatchNorm,
         ),
         "each row's outputs would depend on the other rows of its batch (and a batch of one row fails)",
     ),
