@@ -829,6 +829,28 @@ def test_a_collector_whose_policy_holds_no_remote_policy_is_refused_by_our_schem
             assert server.policy_version == 2
 
 
+@pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector"])
+def test_a_collector_served_by_another_server_is_refused_by_this_servers_scheme_for_its_policy(kind):
+    # Two servers in one process (say one to collect, one to evaluate): the other's scheme would push weights
+    # the collector never runs, each version stamped as if it did.
+    from torchrl.collectors import Collector, MultiSyncCollector
+    from torchrl.envs import PendulumEnv
+
+    policy = TensorDictModule(PendulumPolicy(), in_keys=["th", "thdot"], out_keys=["action"])
+    kw = {"frames_per_batch": 32, "total_frames": 32, "auto_register_policy_transforms": False}
+    make = Collector if kind == "Collector" else lambda env, *a, **k: MultiSyncCollector([env] * 2, *a, **k)
+    with BatchedPolicyServer(policy) as collecting, BatchedPolicyServer(copy.deepcopy(policy)) as other:
+        remote = collecting.remote_policy()
+        with pytest.raises(ValueError, match=rf"the {kind}'s RemotePolicy is served by another server"):
+            make(PendulumEnv, remote, weight_sync_schemes={"policy": other.weight_sync_scheme()}, **kw)
+        collector = make(PendulumEnv, remote, weight_sync_schemes={"policy": collecting.weight_sync_scheme()}, **kw)
+        try:
+            collector.update_policy_weights_(policy)
+        finally:
+            collector.shutdown()
+        assert (collecting.policy_version, other.policy_version) == (1, 0)
+
+
 @pytest.mark.parametrize("target", ["server", "scheme"])
 def test_the_legacy_weight_updater_serves_the_trained_module_on_an_update_with_no_argument(target):
     # It dropped update_policy_weights_() with no argument: a trainer training the served module in place

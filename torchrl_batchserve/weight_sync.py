@@ -73,7 +73,8 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
     As a collector's ``"policy"`` scheme it needs a collector whose policy
     holds a :class:`~torchrl_batchserve.RemotePolicy`: any other policy would
     never run the pushed weights, and the collector raises ``TypeError`` at
-    construction. Under another name it updates a server beside the
+    construction (``ValueError`` when it holds only RemotePolicies of other
+    servers in this process). Under another name it updates a server beside the
     collector's own policy.
 
     Examples:
@@ -129,7 +130,7 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         if context is not None:
             self.context = context
             if model_id == "policy":  # the collector's own policy (under another id it is one more model to push)
-                _check_served(getattr(context, "policy", None), type(context).__name__)
+                _check_served(getattr(context, "policy", None), type(context).__name__, self._server)
 
     def _setup_connection_and_weights_on_sender_impl(
         self, *, worker_idx: int | None = None, weights: Any = None
@@ -208,17 +209,30 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         return f"{type(self).__name__}({target})"
 
 
-def _check_served(policy: Any, collector: str) -> None:
-    """Refuse a collector policy that the scheme's pushes never reach: one that holds no RemotePolicy.
+def _check_served(policy: Any, collector: str, server: Any) -> None:
+    """Refuse a collector policy that the scheme's pushes never reach.
 
-    (A policy made in the workers by a ``policy_factory`` is not here to check.)
+    That is one that holds no RemotePolicy, or, for a scheme of a server in
+    this process, only RemotePolicies of other servers in this process. (A
+    policy made in the workers by a ``policy_factory`` is not here to check;
+    a RemotePolicy reaching a server elsewhere cannot be told apart.)
     """
-    if isinstance(policy, nn.Module) and not any(isinstance(m, RemotePolicy) for m in policy.modules()):
+    if not isinstance(policy, nn.Module):
+        return
+    remotes = [m for m in policy.modules() if isinstance(m, RemotePolicy)]
+    if not remotes:
         raise TypeError(
             f"weight_sync_schemes['policy'] pushes to a BatchedPolicyServer, but the {collector}'s policy "
             f"({type(policy).__name__}) holds no RemotePolicy: it would run its own weights and never the pushed "
             "ones. Give the collector server.remote_policy() (or, to update a server beside the collector's own "
             "policy, register the scheme under another name)"
+        )
+    owners = [getattr(r._endpoint, "owner", None) for r in remotes]  # None: served from elsewhere
+    if server is not None and None not in owners and not any(o is server for o in owners):
+        raise ValueError(
+            f"weight_sync_schemes['policy'] pushes to {server!r}, but the {collector}'s RemotePolicy is served by "
+            f"another server, {owners[0]!r}: the collector would never run the pushed weights. Give the scheme of "
+            "the server that serves the collector (its weight_sync_scheme()), or register this one under another name"
         )
 
 

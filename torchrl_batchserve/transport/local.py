@@ -62,7 +62,8 @@ class LocalEndpoint:
             blocking caller runs itself).
         owner: the server, kept alive by the endpoint: a ``RemotePolicy``
             keeps its server serving after the last other reference to it
-            is gone (``Collector(env, BatchedPolicyServer(p).remote_policy())``).
+            is gone (``Collector(env, BatchedPolicyServer(p).remote_policy())``),
+            and says which server serves it (a weight sync scheme checks it).
 
     Other processes reach the server through its hub (:class:`LazyHub`),
     started on first demand: a ``RemotePolicy`` pickled, or a fork. In a
@@ -73,7 +74,7 @@ class LocalEndpoint:
     def __init__(self, intake: Intake, serving: Serving, owner: Any) -> None:
         self._intake = intake
         self._serving = serving
-        self._owner = owner
+        self.owner = owner
         self.lazy_hub = LazyHub(intake)
         self._pid = os.getpid()
         self._forked: Any = None
