@@ -851,6 +851,36 @@ def test_a_collector_served_by_another_server_is_refused_by_this_servers_scheme_
         assert (collecting.policy_version, other.policy_version) == (1, 0)
 
 
+def test_a_multi_process_collectors_modules_around_its_remote_policy_reach_its_workers_with_their_state():
+    # TorchRL sends the policy to the workers on the meta device for the scheme to fill: an exploration module
+    # around the RemotePolicy failed every worker with "Cannot copy out of meta tensor".
+    from tensordict.nn import TensorDictSequential
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.envs import PendulumEnv
+    from torchrl.modules import AdditiveGaussianModule
+
+    policy = TensorDictModule(PendulumPolicy(), in_keys=["th", "thdot"], out_keys=["action"])
+    explore = AdditiveGaussianModule(spec=PendulumEnv().action_spec, sigma_init=0.5, annealing_num_steps=10)
+    kw = {"frames_per_batch": 32, "total_frames": 64, "auto_register_policy_transforms": False}
+    with BatchedPolicyServer(policy, max_batch_size=8) as server:
+        scheme = {"policy": server.weight_sync_scheme()}
+        noisy = TensorDictSequential(server.remote_policy(), explore)
+        with pytest.warns(UserWarning, match=r"holds state of its own around its RemotePolicy \(\[.*sigma"):
+            collector = MultiSyncCollector([PendulumEnv] * 2, noisy, weight_sync_schemes=scheme, **kw)
+        try:
+            for batch in collector:
+                with torch.no_grad():
+                    served = policy.module(batch["th"], batch["thdot"])
+                noise = (batch["action"] - served).flatten()
+                unclamped = batch["action"].abs().flatten() < 2  # the action spec clamps at +-2
+                assert 0.25 < noise[unclamped].std() < 1.0  # sigma 0.5: the workers' module has its state
+                explore.step(10)  # annealed here, to sigma_end: pushes reach the server only, as the warning said
+                collector.update_policy_weights_()
+        finally:
+            collector.shutdown()
+    assert server.policy_version == 2
+
+
 @pytest.mark.parametrize("target", ["server", "scheme"])
 def test_the_legacy_weight_updater_serves_the_trained_module_on_an_update_with_no_argument(target):
     # It dropped update_policy_weights_() with no argument: a trainer training the served module in place

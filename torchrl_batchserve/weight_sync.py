@@ -8,7 +8,8 @@ over the dedicated process group (:mod:`torchrl_batchserve.distributed`).
 * :class:`BatchServeWeightSyncScheme`: a ``torchrl.weight_update.WeightSyncScheme``
   (TorchRL 0.14's API) for ``weight_sync_schemes={"policy": scheme}``. Its
   sender side pushes to the server(s); its receiver side, in collector
-  workers, has nothing to do.
+  workers, gives the modules around the RemotePolicy (an exploration module)
+  the state they had when the collector was built.
 * :func:`weight_updater`: the legacy ``weight_updater=`` adapter. TorchRL
   deprecates ``WeightUpdaterBase`` and warns whenever it is subclassed, so
   the subclass is made on first use, never at import.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.weight_update import WeightSyncScheme
 
@@ -122,6 +123,7 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
             check_group(address, port, world_size, timeout)  # here, not at the collector's first push
             self._rendezvous = (address, port, world_size, timeout)
         self._broadcaster: WeightBroadcaster | None = None
+        self._around: TensorDictBase | None = None  # the state of the modules around the collector's RemotePolicy
 
     # -- sender side (the trainer / the collector's main process) -------------------
 
@@ -130,7 +132,9 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         if context is not None:
             self.context = context
             if model_id == "policy":  # the collector's own policy (under another id it is one more model to push)
-                _check_served(getattr(context, "policy", None), type(context).__name__, self._server)
+                policy = getattr(context, "policy", None)
+                _check_served(policy, type(context).__name__, self._server)
+                self._around = _state_around(policy, context)
 
     def _setup_connection_and_weights_on_sender_impl(
         self, *, worker_idx: int | None = None, weights: Any = None
@@ -177,13 +181,18 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
             self._setup_connection_and_weights_on_sender_impl()
         return _ServerTransport(self._broadcaster.push)  # type: ignore[union-attr]
 
-    # -- receiver side (collector workers: they run a RemotePolicy, no weights) -----
+    # -- receiver side (collector workers: they run a RemotePolicy and what is around it) -----
 
     def _init_on_receiver_impl(self, model_id: str, context: Any = None, **kwargs: Any) -> None:
         self._model_id = model_id
+        if kwargs.get("model") is not None:
+            self.model = kwargs["model"]
 
     def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
-        return None
+        # A multi-process collector sends its policy to the workers on the meta device, for the scheme to fill:
+        # the server holds the served weights, and the modules around the RemotePolicy get theirs from here.
+        if self._around is not None and self.model is not None:
+            self.apply_weights(self._around, inplace=False)
 
     def receive(self, timeout: float | None = None) -> None:  # type: ignore[override]
         return None
@@ -234,6 +243,32 @@ def _check_served(policy: Any, collector: str, server: Any) -> None:
             f"another server, {owners[0]!r}: the collector would never run the pushed weights. Give the scheme of "
             "the server that serves the collector (its weight_sync_scheme()), or register this one under another name"
         )
+
+
+def _state_around(policy: Any, collector: Any) -> TensorDictBase | None:
+    """The parameters and buffers of the collector's policy (a RemotePolicy holds none), for its workers' copies.
+
+    A multi-process collector's workers run those modules (an exploration
+    module, say) with this state: pushes reach the server only, so it warns.
+    """
+    if not isinstance(policy, nn.Module):
+        return None
+    state = TensorDict.from_module(policy).data.clone()
+    if state.is_empty():
+        return None
+    from torchrl.collectors import MultiCollector  # imported by the collector given (at import, it warns)
+
+    if isinstance(collector, MultiCollector):
+        names = [".".join(k) if isinstance(k, tuple) else k for k in state.keys(True, True)]
+        warnings.warn(
+            f"the {type(collector).__name__}'s policy holds state of its own around its RemotePolicy ({names}): "
+            "each worker process runs it as it is now, and update_policy_weights_() updates the server only. "
+            "To change it while collecting (an exploration module's annealed sigma, say), make that module part "
+            "of the policy the server serves",
+            UserWarning,
+            stacklevel=4,
+        )
+    return state
 
 
 _UPDATER: type | None = None
