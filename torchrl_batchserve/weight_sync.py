@@ -246,28 +246,28 @@ def _check_served(policy: Any, collector: str, server: Any) -> None:
 
 
 def _state_around(policy: Any, collector: Any) -> TensorDictBase | None:
-    """The parameters and buffers of the collector's policy (a RemotePolicy holds none), for its workers' copies.
+    """For a multi-process collector's workers: the parameters and buffers of its policy (a RemotePolicy has none).
 
-    A multi-process collector's workers run those modules (an exploration
-    module, say) with this state: pushes reach the server only, so it warns.
+    TorchRL sends them the policy on the meta device, for the scheme to fill.
+    The workers run those modules (an exploration module, say) with this
+    state, and pushes reach the server only: so it warns.
     """
-    if not isinstance(policy, nn.Module):
+    from torchrl.collectors import MultiCollector  # imported by the collector given (at import, it warns)
+
+    if not isinstance(collector, MultiCollector) or not isinstance(policy, nn.Module):
         return None
     state = TensorDict.from_module(policy).data.clone()
     if state.is_empty():
         return None
-    from torchrl.collectors import MultiCollector  # imported by the collector given (at import, it warns)
-
-    if isinstance(collector, MultiCollector):
-        names = [".".join(k) if isinstance(k, tuple) else k for k in state.keys(True, True)]
-        warnings.warn(
-            f"the {type(collector).__name__}'s policy holds state of its own around its RemotePolicy ({names}): "
-            "each worker process runs it as it is now, and update_policy_weights_() updates the server only. "
-            "To change it while collecting (an exploration module's annealed sigma, say), make that module part "
-            "of the policy the server serves",
-            UserWarning,
-            stacklevel=4,
-        )
+    names = [".".join(k) if isinstance(k, tuple) else k for k in state.keys(True, True)]
+    warnings.warn(
+        f"the {type(collector).__name__}'s policy holds state of its own around its RemotePolicy ({names}): "
+        "each worker process runs it as it is now, and update_policy_weights_() updates the server only. "
+        "To change it while collecting (an exploration module's annealed sigma, say), make that module part "
+        "of the policy the server serves",
+        UserWarning,
+        stacklevel=4,
+    )
     return state
 
 
