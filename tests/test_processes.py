@@ -830,9 +830,9 @@ def test_a_collector_whose_policy_holds_no_remote_policy_is_refused_by_our_schem
 
 
 @pytest.mark.parametrize("kind", ["Collector", "MultiSyncCollector"])
-def test_a_collector_served_by_another_server_is_refused_by_this_servers_scheme_for_its_policy(kind):
+def test_our_scheme_refuses_a_collector_served_by_another_server_and_a_push_to_some_workers_only(kind):
     # Two servers in one process (say one to collect, one to evaluate): the other's scheme would push weights
-    # the collector never runs, each version stamped as if it did.
+    # the collector never runs, each version stamped as if it did. And a push to some workers only is refused.
     from torchrl.collectors import Collector, MultiSyncCollector
     from torchrl.envs import PendulumEnv
 
@@ -846,6 +846,8 @@ def test_a_collector_served_by_another_server_is_refused_by_this_servers_scheme_
         collector = make(PendulumEnv, remote, weight_sync_schemes={"policy": collecting.weight_sync_scheme()}, **kw)
         try:
             collector.update_policy_weights_(policy)
+            with pytest.raises(ValueError, match=r"worker_ids=\[0\]: the collector's workers share the served weights"):
+                collector.update_policy_weights_(policy, worker_ids=[0])  # one server: it cannot update some only
         finally:
             collector.shutdown()
         assert (collecting.policy_version, other.policy_version) == (1, 0)
@@ -905,9 +907,11 @@ def test_the_legacy_weight_updater_serves_the_trained_module_on_an_update_with_n
                     for p in policy.parameters():
                         p.add_(0.1)
                 collector.update_policy_weights_()
+            with pytest.raises(ValueError, match=r"worker_ids=0: the collector's workers share the served weights"):
+                collector.update_policy_weights_(worker_ids=[0])  # one server: no push for some workers only
         finally:
             collector.shutdown()
-    assert seen == [[0], [1], [2]]
+    assert seen == [[0], [1], [2]] and server.policy_version == 3
 
 
 def test_scheme_arguments_and_clean_import():

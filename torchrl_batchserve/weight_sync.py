@@ -152,7 +152,14 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         RemotePolicy's empty ones): a server in this process serves the
         current weights of the module it was built with (the trainer's); a
         weight group those of ``module``, or nothing (it warns, once).
+        ``worker_ids`` must be ``None``: every worker reaches one set of
+        served weights, so a push cannot leave some of them out.
         """
+        if worker_ids is not None:
+            raise ValueError(
+                f"worker_ids={worker_ids!r}: the collector's workers share the served weights, so a push reaches "
+                "all of them; call update_policy_weights_() without worker_ids"
+            )
         if weights is not None:
             weights = as_weights(weights)
             if isinstance(weights, TensorDictBase) and weights.is_empty():
@@ -299,7 +306,8 @@ def weight_updater(target: Any) -> Any:
                     self._scheme = target if scheme is None else scheme()
 
                 def _sync_weights_with_worker(self, *, worker_id: Any = None, server_weights: Any) -> None:
-                    self._scheme.send(server_weights)  # None: the module the server serves, as trained now
+                    # None: the module the server serves, as trained now; a worker_id (asked for): refused
+                    self._scheme.send(server_weights, worker_ids=worker_id)
 
                 def _get_server_weights(self) -> Any:
                     return None
