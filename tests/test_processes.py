@@ -858,12 +858,14 @@ def test_a_multi_process_collectors_modules_around_its_remote_policy_reach_its_w
     # around the RemotePolicy failed every worker with "Cannot copy out of meta tensor".
     from tensordict.nn import TensorDictSequential
     from torchrl.collectors import MultiSyncCollector
+    from torchrl.data import Bounded
     from torchrl.envs import PendulumEnv
     from torchrl.modules import AdditiveGaussianModule
 
     policy = TensorDictModule(PendulumPolicy(), in_keys=["th", "thdot"], out_keys=["action"])
-    explore = AdditiveGaussianModule(spec=PendulumEnv().action_spec, sigma_init=0.5, annealing_num_steps=10)
-    kw = {"frames_per_batch": 32, "total_frames": 64, "auto_register_policy_transforms": False}
+    wide = Bounded(-100.0, 100.0, shape=(1,))  # the noise is never clamped, so its spread is sigma's
+    explore = AdditiveGaussianModule(spec=wide, sigma_init=0.5, annealing_num_steps=10)
+    kw = {"frames_per_batch": 64, "total_frames": 128, "auto_register_policy_transforms": False}
     with BatchedPolicyServer(policy, max_batch_size=8) as server:
         scheme = {"policy": server.weight_sync_scheme()}
         noisy = TensorDictSequential(server.remote_policy(), explore)
@@ -874,8 +876,7 @@ def test_a_multi_process_collectors_modules_around_its_remote_policy_reach_its_w
                 with torch.no_grad():
                     served = policy.module(batch["th"], batch["thdot"])
                 noise = (batch["action"] - served).flatten()
-                unclamped = batch["action"].abs().flatten() < 2  # the action spec clamps at +-2
-                assert 0.25 < noise[unclamped].std() < 1.0  # sigma 0.5: the workers' module has its state
+                assert 0.3 < noise.std() < 0.75  # sigma 0.5 (64 draws): the workers' module has its state
                 explore.step(10)  # annealed here, to sigma_end: pushes reach the server only, as the warning said
                 collector.update_policy_weights_()
         finally:
