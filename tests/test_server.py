@@ -959,6 +959,27 @@ def test_a_policy_with_weights_on_the_meta_device_is_refused_naming_them():
     torch.testing.assert_close(out["logits"], make_mlp()(out["observation"]))
 
 
+@pytest.mark.parametrize("kind", ["script", "trace"])
+def test_a_torchscript_policy_is_served_and_serves_the_weights_its_trainer_pushes(kind):
+    # Before, refused with autograd's "you can only change requires_grad flags of leaf variables": a
+    # ScriptModule's deepcopy clones its parameters into non-leaf tensors when gradients are on.
+    net = make_mlp()
+    module = torch.jit.script(net) if kind == "script" else torch.jit.trace(net, torch.zeros(1, 8))
+    policy = TensorDictModule(module, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        first = remote(obs())
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(0.5)  # trained in place, as a trainer does
+        assert server.update_weights() == 1
+        second = remote(obs())
+    with torch.no_grad():
+        torch.testing.assert_close(second["logits"], module(second["observation"]))
+        torch.testing.assert_close(first["logits"], make_mlp()(first["observation"]))
+    assert (int(first["policy_version"]), int(second["policy_version"])) == (0, 1)
+
+
 def test_constructor_rejects_policies_without_keys():
     with pytest.raises(TypeError, match="plain nn.Module: pass in_keys= and out_keys="):
         BatchedPolicyServer(torch.nn.Linear(2, 2))

@@ -68,7 +68,8 @@ def served_copy(policy: TensorDictModuleBase, device: torch.device | None) -> Te
             except Exception:
                 memo[id(value)] = value
     try:
-        served = copy.deepcopy(policy, memo)
+        with torch.no_grad():  # a ScriptModule's copy clones its parameters, as non-leaves under autograd
+            served = copy.deepcopy(policy, memo)
     except Exception as err:
         raise TypeError(
             f"the server serves its own copy of the policy (copy.deepcopy), and {type(policy).__name__} cannot be "
