@@ -959,12 +959,22 @@ def test_a_policy_with_weights_on_the_meta_device_is_refused_naming_them():
     torch.testing.assert_close(out["logits"], make_mlp()(out["observation"]))
 
 
-@pytest.mark.parametrize("kind", ["script", "trace"])
-def test_a_torchscript_policy_is_served_and_serves_the_weights_its_trainer_pushes(kind):
-    # Before, refused with autograd's "you can only change requires_grad flags of leaf variables": a
-    # ScriptModule's deepcopy clones its parameters into non-leaf tensors when gradients are on.
+def _compiled_or_pruned(kind: str) -> torch.nn.Module:
     net = make_mlp()
-    module = torch.jit.script(net) if kind == "script" else torch.jit.trace(net, torch.zeros(1, 8))
+    if kind == "prune":  # its weight is computed from weight_orig and a mask, by a hook, at every call
+        from torch.nn.utils import prune
+
+        prune.l1_unstructured(net[0], "weight", amount=0.5)
+        return net
+    return torch.jit.script(net) if kind == "script" else torch.jit.trace(net, torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize("kind", ["script", "trace", "prune"])
+def test_torchscript_and_pruned_policies_are_served_and_serve_the_weights_their_trainer_pushes(kind):
+    # Before, both refused at construction: a ScriptModule's deepcopy cloned its parameters into non-leaf
+    # tensors (autograd's "you can only change requires_grad flags of leaf variables"), and a pruned
+    # module's computed weight cannot be deep-copied ("Only Tensors created explicitly by the user").
+    module = _compiled_or_pruned(kind)
     policy = TensorDictModule(module, in_keys=["observation"], out_keys=["logits"])
     with BatchedPolicyServer(policy) as server:
         remote = server.remote_policy()
@@ -976,7 +986,7 @@ def test_a_torchscript_policy_is_served_and_serves_the_weights_its_trainer_pushe
         second = remote(obs())
     with torch.no_grad():
         torch.testing.assert_close(second["logits"], module(second["observation"]))
-        torch.testing.assert_close(first["logits"], make_mlp()(first["observation"]))
+        torch.testing.assert_close(first["logits"], _compiled_or_pruned(kind)(first["observation"]))
     assert (int(first["policy_version"]), int(second["policy_version"])) == (0, 1)
 
 

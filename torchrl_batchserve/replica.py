@@ -61,6 +61,9 @@ def served_copy(policy: TensorDictModuleBase, device: torch.device | None) -> Te
     memo: dict[int, Any] = {}
     for module in policy.modules():
         for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not value.is_leaf:  # computed from weights (a pruned weight)
+                memo[id(value)] = value.detach().clone()
+                continue
             if isinstance(value, (torch.Tensor, torch.nn.Module, dict, list, tuple, str, int, float)):
                 continue
             try:
