@@ -43,7 +43,9 @@ def served_copy(policy: TensorDictModuleBase, device: torch.device | None) -> Te
     """A deep copy of ``policy`` on ``device``, that nothing outside the server holds.
 
     Parameters, buffers and submodules are copied; a plain attribute that
-    cannot be copied (a lock, an event, a handle) is shared with ``policy``.
+    cannot be copied (a lock, an event, a handle) is shared with ``policy``,
+    and one computed from the weights (a pruned module's ``weight``, which
+    its hook computes again at every call) is copied detached.
     """
     weights = [*policy.named_parameters(), *policy.named_buffers()]
     lazy = [name for name, t in weights if is_lazy(t)]
@@ -61,7 +63,7 @@ def served_copy(policy: TensorDictModuleBase, device: torch.device | None) -> Te
     memo: dict[int, Any] = {}
     for module in policy.modules():
         for value in vars(module).values():
-            if isinstance(value, torch.Tensor) and not value.is_leaf:  # computed from weights (a pruned weight)
+            if isinstance(value, torch.Tensor) and not value.is_leaf:  # deepcopy refuses a tensor autograd computed
                 memo[id(value)] = value.detach().clone()
                 continue
             if isinstance(value, (torch.Tensor, torch.nn.Module, dict, list, tuple, str, int, float)):
