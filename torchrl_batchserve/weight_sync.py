@@ -9,7 +9,7 @@ over the dedicated process group (:mod:`torchrl_batchserve.distributed`).
   (TorchRL 0.14's API) for ``weight_sync_schemes={"policy": scheme}``. Its
   sender side pushes to the server(s); its receiver side, in collector
   workers, gives the modules around the RemotePolicy (an exploration module)
-  the state they had when the collector was built.
+  the collector's own parameters and buffers, shared.
 * :func:`weight_updater`: the legacy ``weight_updater=`` adapter. TorchRL
   deprecates ``WeightUpdaterBase`` and warns whenever it is subclassed, so
   the subclass is made on first use, never at import.
@@ -253,29 +253,21 @@ def _check_served(policy: Any, collector: str, server: Any) -> None:
 
 
 def _state_around(policy: Any, collector: Any) -> TensorDictBase | None:
-    """For a multi-process collector's workers: the parameters and buffers of its policy (a RemotePolicy has none).
+    """For a multi-process collector's workers: the parameters and buffers of its policy, in shared memory.
 
-    TorchRL sends them the policy on the meta device, for the scheme to fill.
-    The workers run those modules (an exploration module, say) with this
-    state, and pushes reach the server only: so it warns.
+    A RemotePolicy holds none; the modules around it may (an exploration
+    module, a local head). TorchRL sends the workers the policy on the meta
+    device for the scheme to fill, and this fills it with the collector's own
+    tensors, moved into shared memory as TorchRL's legacy multi-process
+    weights are: what the trainer changes in place (an exploration module's
+    ``step()``, an optimizer step) reaches the workers at once.
     """
     from torchrl.collectors import MultiCollector  # imported by the collector given (at import, it warns)
 
     if not isinstance(collector, MultiCollector) or not isinstance(policy, nn.Module):
         return None
-    state = TensorDict.from_module(policy).data.clone()
-    if state.is_empty():
-        return None
-    names = [".".join(k) if isinstance(k, tuple) else k for k in state.keys(True, True)]
-    warnings.warn(
-        f"the {type(collector).__name__}'s policy holds state of its own around its RemotePolicy ({names}): "
-        "each worker process runs it as it is now, and update_policy_weights_() updates the server only. "
-        "To change it while collecting (an exploration module's annealed sigma, say), make that module part "
-        "of the policy the server serves",
-        UserWarning,
-        stacklevel=4,
-    )
-    return state
+    state = TensorDict.from_module(policy).data
+    return None if state.is_empty() else state.share_memory_()
 
 
 _UPDATER: type | None = None
