@@ -268,14 +268,14 @@ def push_weights(servers: Sequence[RayServer], weights: Any, *, version: int | N
     tensors = as_weights(weights)
     for server in servers:
         tensors = server._layout.fit(tensors)
-    stored = ray.put(dumps(tensors.detach().to("cpu")))  # torch's own pickling cannot restore every dtype
     try:
         current = max(_ask(s.actor, "version") for s in servers)
         after = max([current, *(s._version for s in servers)])
         if version is not None:
-            if version <= after:
+            if version <= after:  # refused before the weights go into the object store
                 raise WeightSyncError(f"version must increase: staged {after}, got {version}")
             after = version - 1  # each server stages the one after this
+        stored = ray.put(dumps(tensors.detach().to("cpu")))  # torch's own pickling cannot restore every dtype
         versions = [_ask(s.actor, "update_weights", stored, after) for s in servers]
     except RayTaskError as err:
         raise _cause(err) from None

@@ -123,7 +123,7 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
             check_group(address, port, world_size, timeout)  # here, not at the collector's first push
             self._rendezvous = (address, port, world_size, timeout)
         self._broadcaster: WeightBroadcaster | None = None
-        self._around: TensorDictBase | None = None  # the state of the modules around the collector's RemotePolicy
+        self._around: TensorDictBase | None = None  # the state around the RemotePolicy, shared with the workers
 
     # -- sender side (the trainer / the collector's main process) -------------------
 
