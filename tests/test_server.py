@@ -305,6 +305,20 @@ def test_nested_keys_and_version_key_none():
         torch.testing.assert_close(out["agent", "logits"], net(out["agent", "obs"]))
 
 
+def test_an_output_the_policy_drops_with_the_out_key_underscore_is_not_expected_from_it():
+    # tensordict's out_keys=[..., "_"] discards that output; a sequence lists the "_" among its out_keys.
+    net = make_mlp()
+    first = TensorDictModule(lambda x: (net(x), x), in_keys=["observation"], out_keys=["logits", "_"])
+    policy = TensorDictSequential(first, TensorDictModule(torch.tanh, in_keys=["logits"], out_keys=["action"]))
+    assert "_" in policy.out_keys
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        out = remote(obs())
+    assert remote.out_keys == ["logits", "action"] and "_" not in out.keys()
+    with torch.no_grad():
+        torch.testing.assert_close(out["action"], torch.tanh(net(out["observation"])))
+
+
 def test_multi_agent_requests_keep_their_agents_apart_from_other_rows():
     # TorchRL's multi-agent layout: ("agents", ...) entries with an agent dim after the batch dims.
     # A centralised MultiAgentMLP mixes the agents of a row; batching must not mix rows.

@@ -311,7 +311,7 @@ class BatchedPolicyServer(TensorDictModule):
         unread = [k for k in variable if k not in keys]
         if unread:
             raise ValueError(f"collate {collate!r} varies {unread}; the policy reads {keys} from requests")
-        out_keys = unravel_key_list(list(policy.out_keys))
+        out_keys = [k for k in unravel_key_list(list(policy.out_keys)) if k != "_"]  # "_": an output it drops
         unwritten = [k for k in getattr(collate, "cut_keys", ()) if k not in out_keys]
         if unwritten:  # never cut: callers would get padded outputs
             raise ValueError(f"collate {collate!r} cuts {unwritten}; the policy writes {out_keys}")
@@ -327,7 +327,7 @@ class BatchedPolicyServer(TensorDictModule):
         if cache is not None:
             cache.serve()  # and takes no cache
 
-        super().__init__(policy, in_keys=list(policy.in_keys), out_keys=list(policy.out_keys))
+        super().__init__(policy, in_keys=list(policy.in_keys), out_keys=out_keys)
         self.max_batch_size = max_batch_size
         self.timeout = timeout
         self.max_queue_size = max_queue_size
