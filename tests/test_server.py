@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import pickle
 import re
 import subprocess
 import sys
@@ -317,6 +318,45 @@ def test_an_output_the_policy_drops_with_the_out_key_underscore_is_not_expected_
     assert remote.out_keys == ["logits", "action"] and "_" not in out.keys()
     with torch.no_grad():
         torch.testing.assert_close(out["action"], torch.tanh(net(out["observation"])))
+
+
+def test_a_composite_distribution_actor_needs_only_the_observation_from_its_callers():
+    # ProbabilisticActor(in_keys=["params"]) over heads writing ("params", name, ...) lists "params" in its in_keys,
+    # though it writes them itself: the plain actor runs on a TensorDict of the observation alone, so must the server.
+    from tensordict.nn import CompositeDistribution, NormalParamExtractor
+    from torch import distributions
+    from torchrl.modules import ProbabilisticActor
+
+    torch.manual_seed(0)
+    heads = TensorDictSequential(
+        TensorDictModule(torch.nn.Linear(8, 3), in_keys=["observation"], out_keys=[("params", "cat", "logits")]),
+        TensorDictModule(
+            torch.nn.Sequential(torch.nn.Linear(8, 2), NormalParamExtractor()),
+            in_keys=["observation"],
+            out_keys=[("params", "normal", "loc"), ("params", "normal", "scale")],
+        ),
+    )
+    actor = ProbabilisticActor(
+        heads,
+        in_keys=["params"],
+        distribution_class=CompositeDistribution,
+        distribution_kwargs={
+            "distribution_map": {"cat": distributions.Categorical, "normal": distributions.Normal},
+            "name_map": {"cat": ("action", "cat"), "normal": ("action", "normal")},
+        },
+        out_keys=[("action", "cat"), ("action", "normal")],
+        return_log_prob=True,
+    )
+    assert "params" in actor.in_keys
+    with BatchedPolicyServer(actor) as server, set_interaction_type(InteractionType.DETERMINISTIC):
+        remote = server.remote_policy()
+        worker = pickle.loads(pickle.dumps(remote))  # a worker process's client (the hub's path)
+        outs = [remote(obs()), worker(obs(3)), worker(obs(3))]
+        assert remote.in_keys == ["observation"]
+        for out in outs:
+            want = actor(out.select("observation"))
+            for key in want.keys(True, True):
+                torch.testing.assert_close(out[key], want[key])
 
 
 def test_multi_agent_requests_keep_their_agents_apart_from_other_rows():

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import TensorDictModule, TensorDictModuleBase, dispatch
+from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential, dispatch
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 
@@ -67,6 +67,37 @@ def _as_policy(policy: Any, in_keys: Any, out_keys: Any) -> TensorDictModuleBase
             )
         return TensorDictModule(policy, in_keys=in_keys, out_keys=out_keys)
     raise TypeError(f"policy must be a TensorDictModuleBase or an nn.Module, got {type(policy).__name__}")
+
+
+def _read_keys(policy: TensorDictModuleBase) -> list[NestedKey]:
+    """``policy``'s ``in_keys`` less those its own modules write entries under before any reads them.
+
+    A ``TensorDictSequential`` leaves out of its ``in_keys`` a key an earlier module writes, but not one
+    whose entries it writes: a ``ProbabilisticActor(..., in_keys=["params"])`` over a module writing
+    ``("params", "cat", "logits")`` (a ``CompositeDistribution``'s) lists ``"params"``, which no request holds.
+    """
+    read: set[tuple] = set()
+    written: list[tuple] = []
+    internal: set[tuple] = set()
+
+    def walk(module: TensorDictModuleBase) -> None:
+        if isinstance(module, TensorDictSequential):
+            for inner in module.module:
+                walk(inner)
+            return
+        for path in map(_path, unravel_key_list(list(module.in_keys))):
+            if path not in read:
+                read.add(path)
+                if any(len(w) > len(path) and w[: len(path)] == path for w in written):
+                    internal.add(path)
+        written.extend(map(_path, unravel_key_list(list(module.out_keys))))
+
+    walk(policy)
+    return [k for k in unravel_key_list(list(policy.in_keys)) if _path(k) not in internal]
+
+
+def _path(key: NestedKey) -> tuple:
+    return key if isinstance(key, tuple) else (key,)
 
 
 # Modules whose training mode changes what a served row gets, and how.
@@ -306,7 +337,8 @@ class BatchedPolicyServer(TensorDictModule):
             collate = StackCollate(pin_memory=True)
         collate = as_collate(collate)
         provided = set(unravel_key_list(list(getattr(collate, "provided_keys", ()))))
-        keys = [k for k in unravel_key_list(list(policy.in_keys)) if k not in provided]
+        in_keys = _read_keys(policy)
+        keys = [k for k in in_keys if k not in provided]
         variable = getattr(collate, "variable_dims", None) or {}
         unread = [k for k in variable if k not in keys]
         if unread:
@@ -327,7 +359,7 @@ class BatchedPolicyServer(TensorDictModule):
         if cache is not None:
             cache.serve()  # and takes no cache
 
-        super().__init__(policy, in_keys=list(policy.in_keys), out_keys=out_keys)
+        super().__init__(policy, in_keys=in_keys, out_keys=out_keys)
         self.max_batch_size = max_batch_size
         self.timeout = timeout
         self.max_queue_size = max_queue_size
