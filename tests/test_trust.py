@@ -392,6 +392,24 @@ def test_an_exploration_modules_annealed_buffer_reaches_the_actors_with_the_next
         assert greedy().all()
 
 
+def test_an_ou_noise_module_is_refused_in_the_served_policy_and_keeps_its_state_around_a_remote_policy():
+    # It reads is_init, _ou_prev_noise and _ou_steps, none of them in its in_keys: served, no request carried them,
+    # so each step started the noise process anew (_ou_steps stayed 1), and deterministic steps failed.
+    from tensordict.nn import TensorDictSequential
+    from torchrl.envs import InitTracker, PendulumEnv, TransformedEnv
+    from torchrl.modules import Actor, OrnsteinUhlenbeckProcessModule
+
+    env = TransformedEnv(PendulumEnv(), InitTracker())
+    net = torch.nn.Linear(2, 1)
+    actor = Actor(lambda th, thdot: net(torch.stack([th, thdot], -1)), in_keys=["th", "thdot"], spec=env.action_spec)
+    with pytest.raises(ValueError, match=r"\['module.1'\] \(OrnsteinUhlenbeckProcessModule\).*server.remote_policy"):
+        BatchedPolicyServer(TensorDictSequential(actor, OrnsteinUhlenbeckProcessModule(spec=env.action_spec)))
+    with BatchedPolicyServer(actor) as server:
+        explore = TensorDictSequential(server.remote_policy(), OrnsteinUhlenbeckProcessModule(spec=env.action_spec))
+        td = env.rollout(5, explore)
+    assert td["_ou_steps"].flatten().tolist() == [1, 2, 3, 4, 5]
+
+
 def test_two_cpu_replicas_both_serve_exact_results_with_versions_that_never_go_back():
     net = make_mlp()
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])

@@ -61,9 +61,9 @@ def sampling_modes(policy: nn.Module) -> frozenset[InteractionType | None]:
     """
     exploring: tuple[type, ...] = ()
     if "torchrl.modules" in sys.modules:  # else no module of it exists here, and importing it costs 50 MB
-        from torchrl.modules import AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule
+        from torchrl.modules import AdditiveGaussianModule, EGreedyModule
 
-        exploring = (AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule)
+        exploring = (AdditiveGaussianModule, EGreedyModule)  # (an OrnsteinUhlenbeckProcessModule is not served)
     unless_told = any(
         isinstance(m, exploring) or getattr(m, "default_interaction_type", None) == InteractionType.RANDOM
         for m in policy.modules()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import warnings
@@ -135,6 +136,24 @@ def _warn_if_training(policy: nn.Module) -> None:
                 UserWarning,
                 stacklevel=3,
             )
+
+
+def _refuse_hidden_state(policy: nn.Module) -> None:
+    """Refuse modules whose per-env state travels in TensorDict entries they do not list in their ``in_keys``."""
+    if "torchrl.modules" not in sys.modules:  # else no module of it exists here, and importing it costs 50 MB
+        return
+    from torchrl.modules import OrnsteinUhlenbeckProcessModule
+
+    found = [
+        name or type(m).__name__ for name, m in policy.named_modules() if isinstance(m, OrnsteinUhlenbeckProcessModule)
+    ]
+    if found:
+        raise ValueError(
+            f"the policy's {found} (OrnsteinUhlenbeckProcessModule) read their noise state from entries that are not "
+            "among their in_keys ('is_init', '_ou_prev_noise', '_ou_steps'): no request carries them to the server, "
+            "so every served step would start the noise process anew. Serve the actor without it and wrap each "
+            "RemotePolicy: TensorDictSequential(server.remote_policy(), OrnsteinUhlenbeckProcessModule(...))"
+        )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -297,6 +316,7 @@ class BatchedPolicyServer(TensorDictModule):
     ) -> None:
         policy = _as_policy(policy, in_keys, out_keys)
         _warn_if_training(policy)
+        _refuse_hidden_state(policy)
         _check_int("max_batch_size", max_batch_size, 1)
         timeout = check_seconds("timeout", timeout)
         if forward_timeout is not None:
