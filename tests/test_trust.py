@@ -392,18 +392,20 @@ def test_an_exploration_modules_annealed_buffer_reaches_the_actors_with_the_next
         assert greedy().all()
 
 
-def test_an_ou_noise_module_is_refused_in_the_served_policy_and_keeps_its_state_around_a_remote_policy():
-    # It reads is_init, _ou_prev_noise and _ou_steps, none of them in its in_keys: served, no request carried them,
-    # so each step started the noise process anew (_ou_steps stayed 1), and deterministic steps failed.
+def test_a_module_keeping_unlisted_state_is_refused_in_the_served_policy_and_keeps_it_around_a_remote_policy():
+    # OU noise reads is_init, _ou_prev_noise and _ou_steps, none of them in its in_keys: served, no request carried
+    # them, so each step started the noise process anew (_ou_steps stayed 1), and deterministic steps failed.
     from tensordict.nn import TensorDictSequential
     from torchrl.envs import InitTracker, PendulumEnv, TransformedEnv
-    from torchrl.modules import Actor, OrnsteinUhlenbeckProcessModule
+    from torchrl.modules import Actor, MultiStepActorWrapper, OrnsteinUhlenbeckProcessModule
 
     env = TransformedEnv(PendulumEnv(), InitTracker())
     net = torch.nn.Linear(2, 1)
     actor = Actor(lambda th, thdot: net(torch.stack([th, thdot], -1)), in_keys=["th", "thdot"], spec=env.action_spec)
-    with pytest.raises(ValueError, match=r"\['module.1'\] \(OrnsteinUhlenbeckProcessModule\).*server.remote_policy"):
+    with pytest.raises(ValueError, match=r"'module.1' \(OrnsteinUhlenbeckProcessModule\).*_ou_steps.*remote_policy"):
         BatchedPolicyServer(TensorDictSequential(actor, OrnsteinUhlenbeckProcessModule(spec=env.action_spec)))
+    with pytest.raises(ValueError, match=r"policy's MultiStepActorWrapper reads.*counter"):
+        BatchedPolicyServer(MultiStepActorWrapper(actor, n_steps=4))  # (action chunks: its counter, likewise)
     with BatchedPolicyServer(actor) as server:
         explore = TensorDictSequential(server.remote_policy(), OrnsteinUhlenbeckProcessModule(spec=env.action_spec))
         td = env.rollout(5, explore)

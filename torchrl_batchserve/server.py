@@ -139,21 +139,21 @@ def _warn_if_training(policy: nn.Module) -> None:
 
 
 def _refuse_hidden_state(policy: nn.Module) -> None:
-    """Refuse modules whose per-env state travels in TensorDict entries they do not list in their ``in_keys``."""
+    """Refuse TorchRL modules that read their per-env state back from entries their ``in_keys`` do not list."""
     if "torchrl.modules" not in sys.modules:  # else no module of it exists here, and importing it costs 50 MB
         return
-    from torchrl.modules import OrnsteinUhlenbeckProcessModule
+    from torchrl.modules import MultiStepActorWrapper, OrnsteinUhlenbeckProcessModule
 
-    found = [
-        name or type(m).__name__ for name, m in policy.named_modules() if isinstance(m, OrnsteinUhlenbeckProcessModule)
-    ]
-    if found:
-        raise ValueError(
-            f"the policy's {found} (OrnsteinUhlenbeckProcessModule) read their noise state from entries that are not "
-            "among their in_keys ('is_init', '_ou_prev_noise', '_ou_steps'): no request carries them to the server, "
-            "so every served step would start the noise process anew. Serve the actor without it and wrap each "
-            "RemotePolicy: TensorDictSequential(server.remote_policy(), OrnsteinUhlenbeckProcessModule(...))"
-        )
+    for name, module in policy.named_modules():
+        if isinstance(module, (OrnsteinUhlenbeckProcessModule, MultiStepActorWrapper)):
+            kind = f"{name!r} ({type(module).__name__})" if name else type(module).__name__
+            raise ValueError(
+                f"the policy's {kind} reads the state it writes ({module.out_keys}) back from the "
+                f"next step's TensorDict, but lists only {module.in_keys} as in_keys: no request carries that state "
+                "to the server, so every served step would start it anew. Serve what it wraps and wrap each "
+                "RemotePolicy in it instead, e.g. TensorDictSequential(server.remote_policy(), "
+                "OrnsteinUhlenbeckProcessModule(...)) or MultiStepActorWrapper(server.remote_policy(), n_steps=...)"
+            )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
