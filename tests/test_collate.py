@@ -16,13 +16,14 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, tensorclass
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from torch import nn
 
 from torchrl_batchserve import (
     BadRequestError,
     BatchedPolicyServer,
+    EvaluationCache,
     LengthCost,
     PackCollate,
     PadCollate,
@@ -350,6 +351,43 @@ def test_nested_and_non_tensor_entries_round_trip(collate):
         )
         got = td["move"] if not td.batch_dims else td.get("move").tolist()
         assert got == expected
+
+
+@tensorclass
+class Gaussian:
+    """A tensorclass, as TorchRL's VLA actions and LLM histories are."""
+
+    loc: torch.Tensor
+    scale: torch.Tensor
+
+
+def test_tensorclass_entries_keep_their_class_both_ways_on_every_path():
+    # They were taken for non-tensor data: batched as a stack of dicts, handed back as one (or as a TensorDict).
+    net = nn.Linear(4, 2)
+
+    def posterior(prior: Gaussian) -> Gaussian:
+        return Gaussian(loc=net(prior.loc), scale=net(prior.scale).exp(), batch_size=prior.batch_size)
+
+    policy = TensorDictModule(posterior, in_keys=["prior"], out_keys=["posterior"])
+
+    def request(*batch: int) -> TensorDict:
+        prior = Gaussian(loc=torch.randn(*batch, 4), scale=torch.randn(*batch, 4), batch_size=list(batch))
+        return TensorDict(prior=prior, batch_size=list(batch))
+
+    gated = Gated(policy)
+    with BatchedPolicyServer(gated, timeout=1e6) as server:
+        outs = serve_held(server, gated, request(), [request(3), request(), request(2, 2)])
+    assert len(gated.batches) == 2 and isinstance(gated.batches[1].get("prior"), Gaussian)
+    with BatchedPolicyServer(policy, cache=EvaluationCache(64)) as server:
+        worker = pickle.loads(pickle.dumps(server.remote_policy()))  # the hub's path
+        outs += [worker(request()), worker(request(3))]
+        outs.append(worker(outs[-1].select("prior").clone()))  # answered by the cache
+        assert server.statistics().cache_hits == 1
+    with torch.no_grad():
+        for td in outs:
+            assert isinstance(td.get("posterior"), Gaussian) and td["posterior"].batch_size == td.batch_size
+            torch.testing.assert_close(td["posterior"].loc, net(td["prior"].loc))
+            torch.testing.assert_close(td["posterior"].scale, net(td["prior"].scale).exp())
 
 
 def _nested_map(fn, items, tensor):

@@ -38,7 +38,7 @@ from tensordict.nn import InteractionType
 from torch import nn
 
 from torchrl_batchserve.errors import BadRequestError
-from torchrl_batchserve.layout import call_user_fn, flat_rows, shaped_rows
+from torchrl_batchserve.layout import call_user_fn, flat_rows, holds_tensors, shaped_rows
 from torchrl_batchserve.replica import tensors
 from torchrl_batchserve.request import Request
 
@@ -48,7 +48,7 @@ HIT, JOINED, LEAD = "hit", "joined", "lead"
 
 
 def _clone(value: Any) -> Any:
-    return value.clone() if isinstance(value, (torch.Tensor, TensorDictBase)) else value
+    return value.clone() if holds_tensors(value) else value
 
 
 def sampling_modes(policy: nn.Module) -> frozenset[InteractionType | None]:
@@ -96,8 +96,8 @@ def _feed(h: Any, value: Any) -> None:
         h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     elif is_non_tensor(value):
         _feed(h, value.tolist())
-    elif isinstance(value, TensorDictBase):
-        h.update(f"tensordict{tuple(value.batch_size)}".encode())
+    elif holds_tensors(value):  # a TensorDict or a tensorclass
+        h.update(f"{type(value).__qualname__}{tuple(value.batch_size)}".encode())
         for key in sorted(value.keys(), key=repr):
             h.update(f"{key!r}:".encode())
             _feed(h, value.get(key))
@@ -341,7 +341,7 @@ def _read_after(entries: list[tuple[int, tuple[Any, ...], torch.cuda.Event | Non
 def _stack(column: Sequence[Any], batch_shape: torch.Size) -> Any:
     """A request's rows (each as stored) back into its batch shape."""
     first = column[0]
-    if isinstance(first, (torch.Tensor, TensorDictBase)):
+    if holds_tensors(first):
         stacked = torch.stack(list(column))
         return stacked.reshape(*batch_shape, *stacked.shape[1:])
     return shaped_rows(list(column), batch_shape)

@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_non_tensor
+from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
 from torchrl_batchserve.errors import PolicyError
-from torchrl_batchserve.layout import shaped_rows
+from torchrl_batchserve.layout import holds_tensors, shaped_rows
 from torchrl_batchserve.request import Request
 
 __all__ = ["Collate", "FunctionCollate", "StackCollate", "all_single", "as_collate", "split_rows"]
@@ -61,7 +61,7 @@ def split_rows(output: TensorDictBase, requests: Sequence[Request], keys: Sequen
     columns: list[Sequence[Any]] = []
     for key in keys:
         value = output.get(key)  # there: the serve loop checked the out_keys
-        if not isinstance(value, torch.Tensor) and (is_non_tensor(value) or not isinstance(value, TensorDictBase)):
+        if not holds_tensors(value):
             columns.append(_split_non_tensor(value, requests, total))
             continue
         if not value.shape or value.shape[0] != total:
@@ -161,7 +161,7 @@ def stack_column(
         single = all_single(requests)
     first = items[0]
     if not isinstance(first, torch.Tensor):
-        if is_non_tensor(first) or not isinstance(first, TensorDictBase):
+        if not holds_tensors(first):
             return _stack_non_tensor(items, requests)
         return torch.stack(items) if single else torch.cat(_as_rows(items, requests))
     if not single:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from tensordict import TensorDictBase, is_non_tensor
+from tensordict import TensorDictBase, is_non_tensor, is_tensor_collection
 
 from torchrl_batchserve.errors import BadRequestError
 
@@ -68,8 +68,8 @@ def _fields(td: TensorDictBase, batch_dims: int) -> Fields:
 
 
 def holds_tensors(value: Any) -> bool:
-    """Whether ``value`` is tensor data: a tensor, or a TensorDict that is not non-tensor data."""
-    return isinstance(value, torch.Tensor) or (isinstance(value, TensorDictBase) and not is_non_tensor(value))
+    """Whether ``value`` is tensor data: a tensor, or a TensorDict or tensorclass that is not non-tensor data."""
+    return isinstance(value, torch.Tensor) or (is_tensor_collection(value) and not is_non_tensor(value))
 
 
 def _kind(value: Any) -> str:
