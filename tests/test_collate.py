@@ -383,6 +383,8 @@ def test_tensorclass_entries_keep_their_class_both_ways_on_every_path():
         outs += [worker(request()), worker(request(3))]
         outs.append(worker(outs[-1].select("prior").clone()))  # answered by the cache
         assert server.statistics().cache_hits == 1
+        with pytest.raises(BadRequestError, match="key 'prior': expected a tensorclass Gaussian, got TensorDict"):
+            worker(TensorDict(prior=request()["prior"].to_tensordict()))  # its leaves, in another class
     with torch.no_grad():
         for td in outs:
             assert isinstance(td.get("posterior"), Gaussian) and td["posterior"].batch_size == td.batch_size

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from tensordict import TensorDictBase, is_non_tensor, is_tensor_collection
+from tensordict import TensorDictBase, is_non_tensor, is_tensor_collection, is_tensorclass
 
 from torchrl_batchserve.errors import BadRequestError
 
@@ -41,13 +41,15 @@ class KeySpec(NamedTuple):
     """What one in_key must hold: ``None`` in ``shape`` marks a dim that may vary.
 
     A tensor has a ``dtype``; a nested TensorDict has ``fields`` (leaf key,
-    dtype, feature shape); non-tensor data has neither.
+    dtype, feature shape), and a tensorclass its ``cls`` too; non-tensor data
+    has neither.
     """
 
     dtype: torch.dtype | None
     shape: tuple[int | None, ...] | None
     device: torch.device | None
     fields: Fields | None = None
+    cls: type | None = None
 
     @property
     def kind(self) -> str:
@@ -70,6 +72,10 @@ def _fields(td: TensorDictBase, batch_dims: int) -> Fields:
 def holds_tensors(value: Any) -> bool:
     """Whether ``value`` is tensor data: a tensor, or a TensorDict or tensorclass that is not non-tensor data."""
     return isinstance(value, torch.Tensor) or (is_tensor_collection(value) and not is_non_tensor(value))
+
+
+def _tensorclass(value: Any) -> type | None:
+    return type(value) if is_tensorclass(value) else None
 
 
 def _kind(value: Any) -> str:
@@ -183,10 +189,13 @@ class Layout:
                 if kind != spec.kind:
                     raise BadRequestError(f"key {key!r}: expected {_an(spec.kind)}, got {type(value).__name__}")
                 if kind == "tensordict":
+                    want = "a TensorDict" if spec.cls is None else f"a tensorclass {spec.cls.__name__}"
+                    if _tensorclass(value) is not spec.cls:
+                        raise BadRequestError(f"key {key!r}: expected {want}, got {type(value).__name__}")
                     fields = _fields(value, batch_dims)
                     if fields != spec.fields:
                         raise BadRequestError(
-                            f"key {key!r}: expected a TensorDict with leaves {_fmt_fields(spec.fields)}, "
+                            f"key {key!r}: expected {want} with leaves {_fmt_fields(spec.fields)}, "
                             f"got {_fmt_fields(fields)}"
                         )
                 continue  # non-tensor data (e.g. a string) travels as is
@@ -349,7 +358,7 @@ def _key_specs(
                     shape[dim] = None
             specs.append(KeySpec(value.dtype, tuple(shape), value.device))
         elif kind == "tensordict":
-            specs.append(KeySpec(None, None, None, _fields(value, batch_dims)))
+            specs.append(KeySpec(None, None, None, _fields(value, batch_dims), _tensorclass(value)))
         else:
             specs.append(KeySpec(None, None, None))
     return tuple(specs)
