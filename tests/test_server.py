@@ -1148,6 +1148,22 @@ def test_update_weights_stamps_new_version_on_results(policy, net):
     assert server.statistics().weight_updates == 2
 
 
+def test_torchrls_policy_age_filter_drops_rows_stamped_too_long_before_the_servers_version(policy):
+    # TorchRL's bounded-staleness filter reads a live version (server.policy_version) and each row's stamp.
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+    from torchrl.envs.transforms import PolicyAgeFilter
+
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        age = PolicyAgeFilter(lambda: server.policy_version, max_policy_lag=1)
+        buffer = ReplayBuffer(storage=LazyTensorStorage(64), transform=age, batch_size=64)
+        for version in range(3):
+            buffer.extend(remote(obs(4)))  # rows of this version
+            assert server.update_weights() == version + 1 == server.policy_version
+        assert len(buffer) == 12
+        assert set(buffer.sample()["policy_version"].tolist()) == {2}  # versions 0 and 1 lag 3 by more than 1
+
+
 class SideEffect(TensorDictModuleBase):
     """A policy that writes nothing back (no out_keys): callers still complete."""
 
