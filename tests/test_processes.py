@@ -1107,6 +1107,43 @@ def test_a_dead_trainer_leaves_the_server_serving_its_last_version():
         torch.testing.assert_close(out["logits"], pw.make_net(1)(torch.ones(8)))
 
 
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        "WeightBroadcaster('127.0.0.1', {port}, 2)",
+        "BatchServeWeightSyncScheme(address='127.0.0.1', port={port}, world_size=2, module=trained)",
+    ],
+    ids=["broadcaster", "scheme"],
+)
+def test_a_trainer_that_exits_with_its_weight_group_open_leaves_it_on_the_way_out(trainer):
+    # Left to the interpreter's exit, the gloo group and the store aborted the trainer's process now and then
+    # (std::terminate, rc -6) after its work was done, and the servers never heard it leave.
+    import subprocess
+    import sys
+
+    port = free_port()
+    code = f"""
+import torch
+from tensordict.nn import TensorDictModule
+from torchrl_batchserve import BatchServeWeightSyncScheme, WeightBroadcaster
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+trained = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
+trainer = {trainer.format(port=port)}
+assert (trainer.push(trained) if hasattr(trainer, "push") else trainer.send()) == 1
+"""
+    policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        process = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            receiver = server.receive_weights("127.0.0.1", port, 1, 2, timeout=30)
+            assert process.wait(60) == 0
+        finally:
+            process.kill()
+        wait_for(lambda: not receiver.alive, "the receiver to stop")
+        assert receiver.error is None  # told to stop, not cut off
+        assert server.policy_version == 1
+
+
 def test_a_push_to_a_dead_server_fails_instead_of_hanging():
     from torchrl_batchserve import WeightBroadcaster
 

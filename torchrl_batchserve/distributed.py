@@ -26,6 +26,11 @@ One push, all steps with finite timeouts:
    stages it as a shadow copy (``ShadowWeights.stage``) that its serve loop
    swaps in at the next batch boundary. Serving never waits for a transfer.
 
+Leaving: the trainer's ``close()`` (run at the interpreter's exit if not
+before) tells the servers, waits until each has read it, then releases the
+group and the store, as a server's receiver does when it stops; left to the
+interpreter's teardown, they can abort the process.
+
 A trainer that dies mid-transfer breaks the collective: the receiver logs it,
 drops the partial copy, stops receiving and the server keeps serving the last
 complete version. A server that dies fails the trainer's push with a
@@ -36,10 +41,12 @@ and the next push is received.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import pickle
 import threading
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +61,14 @@ __all__ = ["WeightBroadcaster", "WeightReceiver", "check_group"]
 
 _log = logging.getLogger(__name__)
 _PUSH, _STOP = 1, 2  # header kinds
+_MEMBERS: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's open weight-group members
+
+
+@atexit.register
+def _close_members() -> None:
+    """Leave every weight group before the interpreter's exit, which destroying a group or a store during aborts."""
+    for member in list(_MEMBERS):
+        member.close()
 
 
 def check_group(address: Any, port: Any, world_size: Any, timeout: Any) -> None:
@@ -124,6 +139,7 @@ class WeightBroadcaster:
         self._lock = threading.Lock()
         self._pushes = 0
         self.version = 0
+        _MEMBERS.add(self)
 
     def push(self, weights: Any, version: int | None = None) -> int:
         """Send ``weights`` (TensorDict, state_dict or module) to every server; return their version.
@@ -134,6 +150,8 @@ class WeightBroadcaster:
         version = check_version(version)
         weights = as_weights(weights)
         with self._lock:
+            if self._group is None:
+                raise WeightSyncError("this WeightBroadcaster is closed: it pushes no more")
             version = self.version + 1 if version is None else version
             meta = pickle.dumps({"version": version, "layout": _layout(weights)})
             try:
@@ -167,13 +185,18 @@ class WeightBroadcaster:
         self._store.set(f"push/{self._pushes}", "1")
 
     def close(self) -> None:
-        """Tell the servers to stop receiving (best effort) and leave the group."""
+        """Tell the servers to stop receiving (best effort) and leave the group (once; at exit if not before)."""
         with self._lock:
+            if self._group is None:
+                return
             try:
                 self._announce()
                 self._group.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), 0).wait()
+                # Until each server has read it: the servers wait for pushes on this process's store.
+                self._store.wait([f"stopped/{r}" for r in range(1, self.world_size)], timedelta(seconds=self.timeout))
             except Exception:
                 pass
+            self._store = self._group = None  # released now: left to the interpreter's exit, they may abort it
 
 
 class WeightReceiver:
@@ -202,6 +225,7 @@ class WeightReceiver:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._receive_forever, name="batchserve-weights", daemon=True)
         self._thread.start()
+        _MEMBERS.add(self)
 
     @property
     def alive(self) -> bool:
@@ -230,6 +254,7 @@ class WeightReceiver:
         self._group.broadcast(header, 0).wait()
         kind, size = int(header[0]), int(header[1])
         if kind == _STOP:
+            self._store.set(f"stopped/{self.rank}", "1")  # the trainer's store may go now
             return False
         meta_bytes = torch.zeros(size, dtype=torch.uint8)
         self._group.broadcast(meta_bytes, 0).wait()
@@ -289,5 +314,8 @@ class WeightReceiver:
         return out
 
     def close(self, timeout: float = 5.0) -> None:
+        """Stop receiving; once the thread has ended, leave the group (at exit if not before)."""
         self._closed.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._store = self._group = None

@@ -219,6 +219,12 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
             broadcaster.close()
         super().shutdown()
 
+    def __del__(self) -> None:
+        # TorchRL's shuts the scheme down. No goodbye to the servers from a finalizer, though: a collective in a
+        # garbage collection (the interpreter's exit) aborts the process; the servers see the trainer gone anyway.
+        self._broadcaster = None
+        super().__del__()
+
     def __repr__(self) -> str:
         where = self._rendezvous
         target = "server in this process" if where is None else f"weight group {where[0]}:{where[1]} of {where[2]}"
