@@ -220,8 +220,9 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
         super().shutdown()
 
     def __del__(self) -> None:
-        # TorchRL's shuts the scheme down. No goodbye to the servers from a finalizer, though: a collective in a
-        # garbage collection (the interpreter's exit) aborts the process; the servers see the trainer gone anyway.
+        # TorchRL's shuts the scheme down. No goodbye to the servers from a finalizer, though: a collective inside a
+        # garbage collection can abort the process. (At exit the broadcaster said it already, from an atexit hook;
+        # dropped earlier, it leaves the servers to see the trainer gone.)
         self._broadcaster = None
         super().__del__()
 
