@@ -1144,6 +1144,30 @@ assert (trainer.push(trained) if hasattr(trainer, "push") else trainer.send()) =
         assert server.policy_version == 1
 
 
+def test_a_forked_childs_exit_leaves_its_parents_weight_group_alone():
+    # The exit hook that leaves a process's weight groups ran in a forked child too, on its copies of the
+    # parent's: it announced a push there and the parent's receiver timed out waiting for it.
+    from torchrl_batchserve import WeightBroadcaster
+    from torchrl_batchserve.distributed import _close_members
+
+    port = free_port()
+    policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server, ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(WeightBroadcaster, "127.0.0.1", port, 2, timeout=5)
+        receiver = server.receive_weights("127.0.0.1", port, 1, 2, timeout=5)
+        trainer = joining.result(30)
+        assert trainer.push(pw.make_net(1)) == 1
+        pid = os.fork()
+        if pid == 0:
+            _close_members()  # what the child's exit runs
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert trainer.push(pw.make_net(2)) == 2  # the group is in step: no push was announced by the child
+        wait_for(lambda: server.policy_version == 2, "the second push to be staged")
+        assert receiver.alive
+        trainer.close()
+
+
 def test_a_push_to_a_dead_server_fails_instead_of_hanging():
     from torchrl_batchserve import WeightBroadcaster
 

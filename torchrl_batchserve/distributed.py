@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 import pickle
 import threading
 import weakref
@@ -69,6 +70,9 @@ def _close_members() -> None:
     """Leave every weight group before the interpreter's exit, which destroying a group or a store during aborts."""
     for member in list(_MEMBERS):
         member.close()
+
+
+os.register_at_fork(after_in_child=_MEMBERS.clear)  # a forked child's copies are its parent's members, not its own
 
 
 def check_group(address: Any, port: Any, world_size: Any, timeout: Any) -> None:
