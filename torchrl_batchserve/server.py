@@ -44,7 +44,7 @@ from torchrl_batchserve.serve import Serving
 from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder, check_since
 from torchrl_batchserve.transport.local import LazyHub, LocalEndpoint
 from torchrl_batchserve.varlen import PackCollate
-from torchrl_batchserve.weights import ShadowWeights, non_persistent
+from torchrl_batchserve.weights import ShadowWeights, key_path, non_persistent
 
 __all__ = ["BatchedPolicyServer"]
 
@@ -86,19 +86,15 @@ def _read_keys(policy: TensorDictModuleBase) -> list[NestedKey]:
             for inner in module.module:
                 walk(inner)
             return
-        for path in map(_path, unravel_key_list(list(module.in_keys))):
+        for path in map(key_path, unravel_key_list(list(module.in_keys))):
             if path not in read:
                 read.add(path)
                 if any(len(w) > len(path) and w[: len(path)] == path for w in written):
                     internal.add(path)
-        written.extend(map(_path, unravel_key_list(list(module.out_keys))))
+        written.extend(map(key_path, unravel_key_list(list(module.out_keys))))
 
     walk(policy)
-    return [k for k in unravel_key_list(list(policy.in_keys)) if _path(k) not in internal]
-
-
-def _path(key: NestedKey) -> tuple:
-    return key if isinstance(key, tuple) else (key,)
+    return [k for k in unravel_key_list(list(policy.in_keys)) if key_path(k) not in internal]
 
 
 # Modules whose training mode changes what a served row gets, and how.

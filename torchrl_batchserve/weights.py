@@ -117,8 +117,8 @@ class ShadowWeights:
         the network that actors serve and sample from locally) names them
         under its path; its other weights serve nothing and are left out.
         """
-        served = {_path(k) for k in self._layout.keys(True, True)}
-        required = served - {_path(k) for k in self.optional}
+        served = {key_path(k) for k in self._layout.keys(True, True)}
+        required = served - {key_path(k) for k in self.optional}
         if required <= names <= served:
             return None
         plain = {_plain(k): k for k in served}
@@ -143,10 +143,10 @@ class ShadowWeights:
 
     def fit(self, weights: TensorDictBase) -> TensorDictBase:
         """``weights`` named as served (:meth:`renaming`); :class:`WeightSyncError` if they do not match."""
-        renamed = self.renaming({_path(k) for k in weights.keys(True, True)})
+        renamed = self.renaming({key_path(k) for k in weights.keys(True, True)})
         if renamed is not None:
             weights = TensorDict(
-                {renamed[_path(k)]: v for k, v in weights.items(True, True) if _path(k) in renamed}, batch_size=[]
+                {renamed[key_path(k)]: v for k, v in weights.items(True, True) if key_path(k) in renamed}, batch_size=[]
             )
         self.check(weights)
         return weights
@@ -233,7 +233,8 @@ def check_version(version: Any) -> int | None:
         raise WeightSyncError(f"version must be an int (or None: the next one), got {version!r}") from None
 
 
-def _path(key: Any) -> tuple[str, ...]:
+def key_path(key: Any) -> tuple[str, ...]:
+    """A TensorDict key as a tuple of names: ``"a"`` is ``("a",)``."""
     return (key,) if isinstance(key, str) else tuple(key)
 
 
