@@ -392,6 +392,37 @@ def test_tensorclass_entries_keep_their_class_both_ways_on_every_path():
             torch.testing.assert_close(td["posterior"].scale, net(td["prior"].scale).exp())
 
 
+class Chunking(TensorDictModuleBase):
+    """Writes its out_key inside a tensorclass, as TorchRL's VLA policies write ``("vla_action", "chunk")``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 4)
+        self.in_keys, self.out_keys = ["x"], [("action", "loc")]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        loc = self.net(td["x"])
+        return td.set("action", Gaussian(loc=loc, scale=loc.exp(), batch_size=td.batch_size))
+
+
+def test_an_out_key_inside_a_tensorclass_reaches_its_caller_in_that_tensorclass_on_every_path():
+    # Delivered as its leaf, it came back in a plain TensorDict: td["action"].loc was TensorDict's, not the output.
+    gated = Gated(Chunking())
+    held = [TensorDict(x=torch.randn(3, 4), batch_size=[3]), TensorDict(x=torch.randn(4))]
+    with BatchedPolicyServer(gated, timeout=1e6) as server:
+        outs = serve_held(server, gated, TensorDict(x=torch.randn(4)), held)
+    with BatchedPolicyServer(gated.policy, cache=EvaluationCache(64)) as server:
+        worker = pickle.loads(pickle.dumps(server.remote_policy()))  # the hub's path
+        outs += [worker(TensorDict(x=torch.randn(4))), worker(TensorDict(x=torch.randn(2, 4), batch_size=[2]))]
+        outs.append(server.remote_policy()(outs[-1].select("x").clone()))  # answered by the cache
+        assert server.statistics().cache_hits == 1
+    with torch.no_grad():
+        for td in outs:
+            expected = gated.policy(td.select("x").clone())["action"]
+            assert isinstance(td.get("action"), Gaussian) and td["action"].batch_size == td.batch_size
+            torch.testing.assert_close((td["action"].loc, td["action"].scale), (expected.loc, expected.scale))
+
+
 def _nested_map(fn, items, tensor):
     if isinstance(items, str):
         return fn(items, tensor)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_tensorclass, unravel_key
 from tensordict.utils import NestedKey
 
 from torchrl_batchserve.cache import EvaluationCache
@@ -184,7 +184,9 @@ class Serving:
         self.cache = cache
         self.out_keys = list(out_keys)
         self.version_key = version_key
-        self.delivered = self.out_keys + ([version_key] if version_key is not None else [])
+        self.delivered = self.out_keys + ([version_key] if version_key is not None else [])  # as _keys finds them
+        self._outputs: list[NestedKey] | None = None
+        self._keys_lock = threading.Lock()
         self.output_device = output_device
         self.max_batch_size = max_batch_size
         self.static_batch_size = static_batch_size
@@ -353,17 +355,43 @@ class Serving:
         if self.broken is not None:  # broke meanwhile: the gate let other forwards change the type under this one
             raise self.broken
         self._check(output, None if packed else rows)
+        keys = self._keys(output)
         device = self.output_device or group[0].device
         # On the replica's stream, so that fetch hands them out done: queued on this thread's stream, they could
         # wait behind other work there (a trainer's) while a caller on a stream of its own reads them.
         with replica.on_stream():
-            for key in self.out_keys:
+            for key in keys:
                 owned(output, key, foreign, device)
             if self.version_key is not None:
                 stamp = torch.full((rows,), replica.version, dtype=torch.long, device=device or output.device)
                 output.set(self.version_key, stamp)
-        output = replica.fetch(output, self.delivered, device)
-        return self.collate.split(output, group, self.delivered), start
+                keys = [*keys, self.version_key]
+        output = replica.fetch(output, keys, device)
+        return self.collate.split(output, group, keys), start
+
+    def _keys(self, output: TensorDictBase) -> list[NestedKey]:
+        """The keys of the outputs that a result carries, fixed by the first batch served.
+
+        An out_key inside a tensorclass (TorchRL's VLA policies write
+        ``("vla_action", "chunk")`` in a ``VLAAction``) is delivered as that
+        tensorclass, whole and of its class, as the policy's own call leaves
+        it in its caller's TensorDict.
+        """
+        if self._outputs is not None:
+            return self._outputs
+        keys: list[NestedKey] = []
+        for key in self.out_keys:
+            if isinstance(key, tuple) and key not in getattr(self.collate, "cut_keys", ()):
+                held = (unravel_key(key[:end]) for end in range(1, len(key)))
+                key = next((k for k in held if is_tensorclass(output.get(k))), key)
+            keys += [] if key in keys else [key]
+        with self._keys_lock:  # several replicas may serve their first batches at once
+            if self._outputs is None:
+                self._outputs = keys
+                self.delivered[: len(self.out_keys)] = keys  # in place: the intake hands it to a cache hit
+        if keys != self._outputs:
+            raise PolicyError(f"the policy wrote its outputs under {keys}, and under {self._outputs} before")
+        return keys
 
     def _check(self, output: Any, rows: int | None) -> None:
         """Raise :class:`PolicyError` unless ``output`` holds every out_key with ``rows`` rows."""
