@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModule, TensorDictModuleBase
 
 ray = pytest.importorskip("ray")
 from ray import cloudpickle  # noqa: E402
@@ -148,6 +148,28 @@ class Quantized(torch.nn.Module):
 
 def quantized_factory() -> TensorDictModule:
     return TensorDictModule(Quantized(), in_keys=["obs"], out_keys=["act", "code"])
+
+
+class Chunking(TensorDictModuleBase):
+    """A VLA policy's outputs: its out_key ``("vla_action", "chunk")`` in a ``VLAAction``, whose mask it also sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 3)
+        self.in_keys, self.out_keys = ["obs"], [("vla_action", "chunk")]
+
+    def forward(self, td: TensorDict) -> TensorDict:
+        from torchrl.data.vla import VLAAction  # a tensorclass every Ray worker can import
+
+        chunk = self.linear(td["obs"])
+        return td.set("vla_action", VLAAction(chunk=chunk, mask=chunk > 0, batch_size=td.batch_size))
+
+
+@ray.remote(num_cpus=0)
+def action_on_a_node(remote, x: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+    action = remote(TensorDict(obs=x)).get("vla_action")
+    return type(action).__name__, action.chunk, action.mask
 
 
 @ray.remote(num_cpus=0)
@@ -349,6 +371,21 @@ def test_gateways_of_a_padded_server_with_a_cost_bound_serve_its_variable_length
         for x, act in rows:
             torch.testing.assert_close(act, reference(None, x).expand_as(act))
         assert handle.statistics().rows == 2 * (12 + 4)  # every third request has two rows
+
+
+def test_an_out_key_inside_a_tensorclass_reaches_every_node_in_that_tensorclass_whole(cluster):
+    # The gateways asked for the out_key alone: on the other nodes the tensorclass came without its other fields.
+    with served(Chunking) as handle:
+        remote = handle.remote_policy()
+        where = [SERVER, NODE_A, NODE_B, NODE_A]  # the server's node (its hub), then the gateways' (one started)
+        got = ray.get(
+            [action_on_a_node.options(resources=r).remote(remote, observation(i, 0)) for i, r in enumerate(where)]
+        )
+    with torch.no_grad():
+        for i, (kind, chunk, mask) in enumerate(got):
+            expected = Chunking()(TensorDict(obs=observation(i, 0)))["vla_action"]
+            assert kind == "VLAAction" and mask is not None
+            torch.testing.assert_close((chunk, mask), (expected.chunk, expected.mask))
 
 
 def test_gateways_of_a_packing_server_serve_its_variable_length_requests(cluster):

@@ -437,8 +437,7 @@ class _ServerActor:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Ray's own property calls a deprecated one of Ray's
             self._waiting_for_weights = bool(context.was_current_actor_reconstructed)
-        version = self._server.policy_version_key
-        self._returned = list(self._server.out_keys) + ([version] if version is not None else [])
+        self._returned = self._server._serving.delivered  # itself: the first batch fixes it (an out_key's tensorclass)
         self._request_keys = list(self._server._serving.layout.keys)  # in_keys but those the collate writes
         self._variable = dict(getattr(self._server.collate, "variable_dims", None) or {})
         self._links = LinkListener(self._server, self._returned, ray.util.get_node_ip_address())
