@@ -30,6 +30,7 @@ import torch
 from tensordict import TensorDictBase, is_non_tensor, is_tensor_collection, is_tensorclass
 
 from torchrl_batchserve.errors import BadRequestError
+from torchrl_batchserve.weights import key_path
 
 __all__ = ["KeySpec", "Layout", "Validated", "flat_rows", "layout_of", "request_entries", "shaped_rows"]
 
@@ -61,7 +62,7 @@ class KeySpec(NamedTuple):
 def _fields(td: TensorDictBase, batch_dims: int) -> Fields:
     fields: list[tuple[tuple[str, ...], Any, Any]] = []
     for key, leaf in td.items(include_nested=True, leaves_only=True):
-        path = (key,) if isinstance(key, str) else tuple(key)
+        path = key_path(key)
         if isinstance(leaf, torch.Tensor):
             fields.append((path, leaf.dtype, tuple(leaf.shape[batch_dims:])))
         else:
