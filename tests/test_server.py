@@ -896,6 +896,18 @@ def test_the_weights_of_the_module_a_tensordictmodule_wraps_are_taken_as_its_own
             server.update_weights(torch.nn.Linear(8, 3))
 
 
+def test_a_dynamically_quantized_policy_is_served_and_refuses_pushes_saying_why():
+    # Its packed weights are no parameters or buffers: a push found the served policy missing nothing and said only that.
+    net = make_mlp(seed=3)
+    quantized = torch.ao.quantization.quantize_dynamic(net, {torch.nn.Linear}, dtype=torch.qint8)
+    policy = TensorDictModule(quantized, in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        out = server.remote_policy()(obs())
+        torch.testing.assert_close(out["logits"], quantized(out["observation"].unsqueeze(0))[0])
+        with pytest.raises(WeightSyncError, match="it holds none that TensorDict.from_module sees .*quantized"):
+            server.update_weights(net)
+
+
 def test_a_server_in_half_precision_takes_a_float32_trainers_weights_cast_and_refuses_other_dtypes():
     # Serving in bfloat16 while training in float32: each floating weight is cast as it is staged.
     served = make_mlp().to(torch.bfloat16)

@@ -162,6 +162,12 @@ class ShadowWeights:
         if not served - self.optional <= given <= served:
             missing = sorted(map(str, served - given - self.optional))
             extra = sorted(map(str, given - served))
+            if not served:
+                raise WeightSyncError(
+                    "weights do not match the served policy: it holds none that TensorDict.from_module sees (a "
+                    "dynamically quantized module keeps its packed weights out of it), so none can be pushed; serve "
+                    f"other weights with a new server. Unexpected {extra}"
+                )
             raise WeightSyncError(f"weights do not match the served policy: missing {missing}, unexpected {extra}")
         for key in given:
             target, value = self._layout.get(key), weights.get(key)
