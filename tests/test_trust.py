@@ -774,8 +774,9 @@ def test_the_server_given_to_a_multiprocess_collector_is_refused_with_our_advice
 
 def test_a_lone_caller_running_its_own_batch_gets_what_a_serve_thread_computes_whatever_its_thread_has_on():
     # A lone blocking caller runs its batch in its own thread: under its autocast the result came back in
-    # bfloat16, under its inference mode as an inference tensor (no in-place op outside it), unlike the same
-    # request served by a serve thread; and a cache would have handed that result to other callers.
+    # bfloat16, under its inference mode as an inference tensor (no in-place op outside it), and with an
+    # input that requires grad under autograd (torch.inference_mode(False) turns grad mode back on), unlike
+    # the same request served by a serve thread; and a cache would have handed that result to other callers.
     net = make_mlp()
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
     x = torch.randn(8)
@@ -786,10 +787,13 @@ def test_a_lone_caller_running_its_own_batch_gets_what_a_serve_thread_computes_w
             under_autocast = remote(TensorDict(observation=x.clone()))["logits"]
         with torch.inference_mode():
             under_inference = remote(TensorDict(observation=x.clone()))["logits"]
+        with_grad = remote(TensorDict(observation=x.clone().requires_grad_()))["logits"]
         with ThreadPoolExecutor(1) as pool:
             served = pool.submit(remote, TensorDict(observation=x.clone())).result()["logits"]
     assert under_autocast.dtype == under_inference.dtype == served.dtype == torch.float32
     assert not under_inference.is_inference()
+    assert not with_grad.requires_grad and not served.requires_grad
     under_inference.add_(0)  # an in-place op outside inference mode, as a caller may do
     torch.testing.assert_close(under_autocast, served)
     torch.testing.assert_close(under_inference, served)
+    torch.testing.assert_close(with_grad, served)

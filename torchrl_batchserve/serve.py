@@ -275,7 +275,8 @@ class Serving:
         replica = self.replicas[index]
         torch.get_num_threads()  # see loop(): this thread's intra-op team
         try:
-            with torch.no_grad(), torch.inference_mode(False), _no_autocast(replica.device):
+            # In this order: torch.inference_mode(False) turns grad mode back on.
+            with torch.inference_mode(False), torch.no_grad(), _no_autocast(replica.device):
                 self.serve(replica, requests, reason)
         except Exception as err:  # a bug outside any one batch
             self._break(err, requests)
