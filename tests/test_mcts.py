@@ -552,3 +552,68 @@ def test_a_failed_root_evaluation_is_a_search_error_on_both_paths(mode):
         else:
             asyncio.run(search.arun(tree, 8))
     assert isinstance(info.value.__cause__, ValueError) and tree.root.priors is None
+
+
+def test_every_searcher_thread_evaluates_a_local_policy_without_grad():
+    # Grad mode is a thread's own: the search's no_grad reached the thread that called run(), not its helpers,
+    # whose evaluations of a local module built autograd graphs.
+    env = TicTacToeEnv()
+    policy = make_policy()
+    both_in = threading.Barrier(2, timeout=30)  # the first two leaf evaluations meet: two threads evaluate
+    calls: list[tuple[int, bool]] = []
+    lock = threading.Lock()
+
+    def evaluate(td):
+        with lock:
+            calls.append((threading.get_ident(), torch.is_grad_enabled()))
+            leaf = len(calls) - 1  # the root's evaluation is call 0
+        if leaf in (1, 2):
+            both_in.wait()
+        return policy(td)
+
+    evaluate.in_keys = ["board"]  # type: ignore[attr-defined]
+    with TreeSearch(env, evaluate, searchers=4) as search:
+        tree = search.tree(env.reset())
+        search.run(tree, 32)
+    assert_consistent(tree.root, 32)
+    assert len({thread for thread, _ in calls}) > 1
+    assert not any(grad for _, grad in calls)
+
+
+def test_an_asyncio_search_leaves_grad_on_for_the_other_tasks_of_its_loop():
+    # It held torch.no_grad across its awaits: a training task on the same loop ran without grad meanwhile.
+    env = TicTacToeEnv()
+    seen: list[bool] = []
+
+    class Local:
+        in_keys = ["board"]
+
+        def __init__(self) -> None:
+            self.policy = make_policy()
+
+        async def acall(self, td):
+            await asyncio.sleep(0)
+            return self.policy(td)
+
+        def __call__(self, td):
+            return self.policy(td)
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        async def trainer() -> None:
+            while not done.is_set():
+                seen.append(torch.is_grad_enabled())
+                await asyncio.sleep(0)
+
+        other = asyncio.ensure_future(trainer())
+        await asyncio.sleep(0)
+        search = TreeSearch(env, Local(), searchers=4)
+        tree = search.tree(env.reset())
+        await search.arun(tree, 32)
+        done.set()
+        await other
+        assert_consistent(tree.root, 32)
+
+    asyncio.run(main())
+    assert len(seen) > 1 and all(seen)

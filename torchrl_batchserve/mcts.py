@@ -56,6 +56,12 @@ __all__ = ["Node", "Tree", "TreeSearch"]
 Walker = Generator[TensorDictBase, TensorDictBase, None]
 
 
+def _resume(walker: Walker, result: TensorDictBase | None = None, error: BaseException | None = None) -> Any:
+    """The walker's next request, computed without grad: never across an await, where other tasks run."""
+    with torch.no_grad():
+        return walker.send(result) if error is None else walker.throw(error)
+
+
 def _check_finite(name: str, number: Any, positive: bool = False) -> None:
     """Raise ``ValueError`` unless ``number`` is a finite number >= 0 (> 0 if ``positive``)."""
     if not (isinstance(number, (int, float)) and (0 < number if positive else 0 <= number) and number < math.inf):
@@ -427,9 +433,8 @@ class TreeSearch:
         run = _Run(simulations)
         helpers = []
         try:
-            with torch.no_grad():
-                helpers = [self._executor().submit(self._drive, tree, run) for _ in range(self.searchers - 1)]
-                self._drive(tree, run)
+            helpers = [self._executor().submit(self._drive, tree, run) for _ in range(self.searchers - 1)]
+            self._drive(tree, run)
         except BaseException as err:  # a KeyboardInterrupt while the helpers walk: they stop claiming too
             run.fail(err)
             raise
@@ -454,14 +459,14 @@ class TreeSearch:
         async def searcher() -> None:
             walker = self._walker(tree, run)
             try:
-                request = next(walker)
+                request = _resume(walker)
                 while True:
                     try:
                         result = await acall(request)
                     except BaseException as err:
-                        request = walker.throw(err)
+                        request = _resume(walker, error=err)
                     else:
-                        request = walker.send(result)
+                        request = _resume(walker, result)
             except StopIteration:
                 pass
             except asyncio.CancelledError:
@@ -470,8 +475,7 @@ class TreeSearch:
                 run.fail(err)
 
         try:
-            with torch.no_grad():
-                await asyncio.gather(*(searcher() for _ in range(self.searchers)))
+            await asyncio.gather(*(searcher() for _ in range(self.searchers)))
         finally:
             tree.root.priors = priors
         return self._result(tree, run, temperature)
@@ -503,16 +507,18 @@ class TreeSearch:
         return priors
 
     def _drive(self, tree: Tree, run: _Run) -> None:
+        """Walk in this thread until no simulation is left, without grad (grad mode is the thread's)."""
         walker = self._walker(tree, run)
         try:
-            request = next(walker)
-            while True:
-                try:
-                    result = self.policy(request)
-                except BaseException as err:
-                    request = walker.throw(err)
-                else:
-                    request = walker.send(result)
+            with torch.no_grad():
+                request = next(walker)
+                while True:
+                    try:
+                        result = self.policy(request)
+                    except BaseException as err:
+                        request = walker.throw(err)
+                    else:
+                        request = walker.send(result)
         except StopIteration:
             pass
         except BaseException as err:
