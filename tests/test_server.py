@@ -808,6 +808,17 @@ def test_queue_full_is_refused_at_once():
             r"policy_version_key=\('observation',\) is one of the policy's in_keys",
         ),
         ({"policy_version_key": 3}, r"policy_version_key must be a key \(a str or a tuple of str\) or None, got 3"),
+        ({"policy_version_key": ("v", 3)}, r"policy_version_key must be a key .* got \('v', 3\)"),
+        ({"policy_version_key": ()}, r"policy_version_key must be a key .* got \(\)"),
+        ({"policy_version_key": ""}, r"policy_version_key must be a key .* got ''"),
+        (
+            {"policy_version_key": ("logits", "version")},
+            r"policy_version_key=\('logits', 'version'\) nests with the policy's out_keys entry \('logits',\)",
+        ),
+        (
+            {"policy_version_key": ("observation", "version")},
+            r"policy_version_key=\('observation', 'version'\) nests with the policy's in_keys entry",
+        ),
     ],
 )
 def test_constructor_validates_arguments(policy, kwargs, message):

@@ -152,6 +152,38 @@ def _refuse_hidden_state(policy: nn.Module) -> None:
             )
 
 
+def _check_stamp_key(key: Any, policy: TensorDictModuleBase) -> None:
+    """Refuse a ``policy_version_key`` that is no key, or that would overwrite (or nest in) a policy's entry."""
+    if not _is_key(key):
+        raise TypeError(f"policy_version_key must be a key (a str or a tuple of str) or None, got {key!r}")
+    stamp = _path(key)
+    for kind in ("out_keys", "in_keys"):
+        for entry in map(_path, getattr(policy, kind)):
+            if entry == stamp:
+                raise ValueError(
+                    f"policy_version_key={key!r} is one of the policy's {kind}: the stamp would overwrite it in "
+                    "every result. Pass another key (or None for no stamp)"
+                )
+            if entry[: len(stamp)] == stamp or stamp[: len(entry)] == entry:
+                raise ValueError(
+                    f"policy_version_key={key!r} nests with the policy's {kind} entry {entry!r}: the stamp would "
+                    "overwrite that entry, or be written inside it. Pass another key (or None for no stamp)"
+                )
+
+
+def _is_key(key: Any) -> bool:
+    """Whether ``key`` is a non-empty str or a non-empty tuple of such keys."""
+    if isinstance(key, str):
+        return bool(key)
+    return isinstance(key, tuple) and bool(key) and all(_is_key(k) for k in key)
+
+
+def _path(key: NestedKey) -> tuple[str, ...]:
+    """``key`` as a flat tuple of str."""
+    key = unravel_key(key)
+    return (key,) if isinstance(key, str) else key
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum} (got {value!r})")
@@ -333,18 +365,7 @@ class BatchedPolicyServer(TensorDictModule):
             if not callable(cost_fn) or isinstance(cost_fn, type):  # a class would make an object, not a cost
                 raise ValueError(f"cost_fn must be callable as cost_fn(td) -> int (got {cost_fn!r})")
         if policy_version_key is not None:
-            try:
-                version_key = unravel_key(policy_version_key)
-            except (RuntimeError, TypeError):  # tensordict's own error for a key that is no NestedKey
-                raise TypeError(
-                    f"policy_version_key must be a key (a str or a tuple of str) or None, got {policy_version_key!r}"
-                ) from None
-            for kind in ("out_keys", "in_keys"):
-                if version_key in unravel_key_list(list(getattr(policy, kind))):
-                    raise ValueError(
-                        f"policy_version_key={policy_version_key!r} is one of the policy's {kind}: the stamp would "
-                        "overwrite it in every result. Pass another key (or None for no stamp)"
-                    )
+            _check_stamp_key(policy_version_key, policy)
         if cache is not None and not isinstance(cache, EvaluationCache):
             raise TypeError(f"cache must be an EvaluationCache or None, got {type(cache).__name__}")
         devices = _devices(device)
