@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential, dispatch
-from tensordict.utils import NestedKey, unravel_key, unravel_key_list
+from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
 from torchrl_batchserve.cache import EvaluationCache, sampling_modes
@@ -43,7 +43,7 @@ from torchrl_batchserve.replica import Replica, served_copy
 from torchrl_batchserve.serve import Serving
 from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder, check_since
 from torchrl_batchserve.transport.local import LazyHub, LocalEndpoint
-from torchrl_batchserve.varlen import PackCollate
+from torchrl_batchserve.varlen import PackCollate, as_key
 from torchrl_batchserve.weights import ShadowWeights, key_path, non_persistent
 
 __all__ = ["BatchedPolicyServer"]
@@ -154,11 +154,9 @@ def _refuse_hidden_state(policy: nn.Module) -> None:
 
 def _check_stamp_key(key: Any, policy: TensorDictModuleBase) -> None:
     """Refuse a ``policy_version_key`` that is no key, or that would overwrite (or nest in) a policy's entry."""
-    if not _is_key(key):
-        raise TypeError(f"policy_version_key must be a key (a str or a tuple of str) or None, got {key!r}")
-    stamp = _path(key)
+    stamp = key_path(as_key(key, "policy_version_key"))
     for kind in ("out_keys", "in_keys"):
-        for entry in map(_path, getattr(policy, kind)):
+        for entry in map(key_path, unravel_key_list(list(getattr(policy, kind)))):
             if entry == stamp:
                 raise ValueError(
                     f"policy_version_key={key!r} is one of the policy's {kind}: the stamp would overwrite it in "
@@ -169,19 +167,6 @@ def _check_stamp_key(key: Any, policy: TensorDictModuleBase) -> None:
                     f"policy_version_key={key!r} nests with the policy's {kind} entry {entry!r}: the stamp would "
                     "overwrite that entry, or be written inside it. Pass another key (or None for no stamp)"
                 )
-
-
-def _is_key(key: Any) -> bool:
-    """Whether ``key`` is a non-empty str or a non-empty tuple of such keys."""
-    if isinstance(key, str):
-        return bool(key)
-    return isinstance(key, tuple) and bool(key) and all(_is_key(k) for k in key)
-
-
-def _path(key: NestedKey) -> tuple[str, ...]:
-    """``key`` as a flat tuple of str."""
-    key = unravel_key(key)
-    return (key,) if isinstance(key, str) else key
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:

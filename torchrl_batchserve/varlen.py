@@ -32,16 +32,17 @@ from torchrl_batchserve.request import Request
 __all__ = ["LengthCost", "PackCollate", "PadCollate"]
 
 
-def _key(key: Any, name: str = "key") -> NestedKey:
-    if isinstance(key, str):
-        return key
+def as_key(key: Any, name: str = "key") -> NestedKey:
+    """``key`` as a TensorDict key; ``TypeError`` naming ``name`` for what is none (an empty one included)."""
     if not _is_key(key):
         raise TypeError(f"{name}: expected a key (a str or a tuple of str), got {key!r}")
-    return unravel_key(tuple(key))  # lists from YAML become nested keys
+    return key if isinstance(key, str) else unravel_key(tuple(key))  # lists from YAML become nested keys
 
 
 def _is_key(key: Any) -> bool:
-    return isinstance(key, str) or (isinstance(key, (tuple, list)) and bool(key) and all(map(_is_key, key)))
+    if isinstance(key, str):
+        return bool(key)
+    return isinstance(key, (tuple, list)) and bool(key) and all(map(_is_key, key))
 
 
 def _key_set(name: str, keys: Any, *, required: bool) -> tuple[NestedKey, ...]:
@@ -51,7 +52,7 @@ def _key_set(name: str, keys: Any, *, required: bool) -> tuple[NestedKey, ...]:
         keys = (keys,)
     if not isinstance(keys, Iterable):
         raise TypeError(f"{name}: expected a list of keys (each a str or a tuple of str), got {keys!r}")
-    out = tuple(_key(k, name) for k in keys)
+    out = tuple(as_key(k, name) for k in keys)
     if required and not out:
         raise ValueError(f"{name} must name at least one entry (got {keys!r})")
     return out
@@ -155,14 +156,14 @@ class PadCollate:
     ) -> None:
         self.keys = _key_set("keys", keys, required=True)
         self.dim = _check_dim(dim)
-        self.mask_key = None if mask_key is None else _key(mask_key, "mask_key")
+        self.mask_key = None if mask_key is None else as_key(mask_key, "mask_key")
         self.trim_keys = _key_set("trim_keys", trim_keys, required=False)
         if buckets is not None:
             if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets):
                 raise ValueError(f"buckets must be a non-empty list of ints >= 1 (got {buckets!r})")
             buckets = sorted(set(buckets))
         self.buckets: list[int] | None = buckets
-        self.pad_values = {_key(k, "pad_values"): v for k, v in (pad_values or {}).items()}
+        self.pad_values = {as_key(k, "pad_values"): v for k, v in (pad_values or {}).items()}
         unknown = [k for k in self.pad_values if k not in self.keys]
         if unknown:
             raise ValueError(f"pad_values names {unknown}, which are not among the padded keys {list(self.keys)}")
@@ -298,8 +299,8 @@ class PackCollate:
         element_keys: Sequence[NestedKey] | None = None,
     ) -> None:
         self.keys = _key_set("keys", keys, required=True)
-        self.offsets_key = None if offsets_key is None else _key(offsets_key, "offsets_key")
-        self.segment_ids_key = None if segment_ids_key is None else _key(segment_ids_key, "segment_ids_key")
+        self.offsets_key = None if offsets_key is None else as_key(offsets_key, "offsets_key")
+        self.segment_ids_key = None if segment_ids_key is None else as_key(segment_ids_key, "segment_ids_key")
         self.element_keys = _key_set("element_keys", element_keys, required=False)
         self.provided_keys = frozenset(k for k in (self.offsets_key, self.segment_ids_key) if k is not None)
         self.variable_dims = {key: (0,) for key in self.keys}
@@ -375,7 +376,7 @@ class LengthCost:
     """
 
     def __init__(self, key: NestedKey, *, dim: int = 0) -> None:
-        self.key = _key(key, "LengthCost key")
+        self.key = as_key(key, "LengthCost key")
         self.dim = _check_dim(dim)
 
     def __call__(self, td: TensorDictBase) -> int:
