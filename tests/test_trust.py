@@ -772,6 +772,34 @@ def test_the_server_given_to_a_multiprocess_collector_is_refused_with_our_advice
         assert td["action"].shape == (1,)
 
 
+class ArangeShift(torch.nn.Module):
+    """Adds ``arange``, made without a device: it lands on the default device of the thread that runs it."""
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return observation + torch.arange(observation.shape[-1])
+
+
+def test_a_lone_caller_with_a_default_device_of_its_own_leaves_its_batch_to_a_serve_thread():
+    # torch.set_default_device is per thread: a lone caller that ran its own batch under it had the policy's new
+    # tensors made on its device ("Tensor on device meta is not on the expected device cpu"), where a serve
+    # thread computes the same request.
+    policy = TensorDictModule(ArangeShift(), in_keys=["observation"], out_keys=["shifted"])
+    xs = [torch.randn(4) for _ in range(3)]
+
+    def actor(remote) -> list[torch.Tensor]:
+        remote(TensorDict(observation=torch.randn(4)))  # served alone: from now on this thread runs its own batches
+        torch.set_default_device("meta")
+        try:
+            return [remote(TensorDict(observation=x.clone()))["shifted"] for x in xs]
+        finally:
+            torch.set_default_device(None)
+
+    with BatchedPolicyServer(policy) as server, ThreadPoolExecutor(1) as pool:
+        results = pool.submit(actor, server.remote_policy()).result()
+    for x, result in zip(xs, results):
+        torch.testing.assert_close(result, x + torch.arange(4, device="cpu"))
+
+
 def test_a_lone_caller_running_its_own_batch_gets_what_a_serve_thread_computes_whatever_its_thread_has_on():
     # A lone blocking caller runs its batch in its own thread: under its autocast the result came back in
     # bfloat16, under its inference mode as an inference tensor (no in-place op outside it), and with an

@@ -8,6 +8,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 from tensordict import TensorDictBase
 
 from torchrl_batchserve.errors import BatchServeError, ServerBrokenError, ServerClosedError
@@ -115,7 +116,9 @@ class LocalEndpoint:
                 "for itself; call submit() or acall() there, or hand the call to another thread"
             )
         request: BlockingRequest = self._intake.request(BlockingRequest, td, threading.get_ident())
-        taken = self._intake.put(request, may_serve=True)
+        # A thread whose default device is not a serve thread's (torch.set_default_device and torch.device blocks
+        # are per thread) leaves its batch to a serve thread: run here, the policy's new tensors would land there.
+        taken = self._intake.put(request, may_serve=torch.empty(()).device.type == "cpu")
         if taken is not None:  # a lone caller: it runs its own batch (see queue.py)
             self._serving.serve_inline(taken)
         return request.wait(self._serving.alive)
