@@ -281,6 +281,10 @@ def test_plain_module_with_keys_and_the_server_called_like_a_policy(net):
         td = server(obs(5))  # called like a policy, the server serves the request batched
         out = server.remote_policy()(obs())
         assert server.statistics().requests == 2
+        for move in (lambda: server.to(torch.float64), lambda: server.double(), lambda: server.to("cpu")):
+            with pytest.raises(TypeError, match=r"would change only the module it was given .* device="):
+                move()  # it moved the trainer's module, and the served copies stayed as they were
+        assert all(p.dtype == torch.float32 for p in net.parameters())
     with torch.no_grad():
         torch.testing.assert_close(td["logits"], net(td["observation"]))
     assert int(td["policy_version"][0]) == 0 and out["logits"].shape == (3,)

@@ -235,7 +235,10 @@ class BatchedPolicyServer(TensorDictModule):
     a TorchRL collector raises ``TypeError`` at construction (one in this
     process would copy the trainer's weights onto themselves at
     ``update_policy_weights_()`` and serve the old ones on; the server cannot
-    be pickled into workers). Collectors take ``remote_policy()``.
+    be pickled into workers). Collectors take ``remote_policy()``. Moving or
+    casting it (``server.to(...)``, ``.cuda()``, ``.double()``) raises
+    ``TypeError``: that would change the trainer's module, not the served
+    copies, which ``device=`` places.
 
     Args:
         policy: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with
@@ -442,6 +445,14 @@ class BatchedPolicyServer(TensorDictModule):
     def forward(self, tensordict: TensorDictBase, *args: Any, **kwargs: Any) -> TensorDictBase:
         """Serve ``tensordict`` batched, as ``server.remote_policy()(tensordict)`` does."""
         return self._endpoint.call(tensordict)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> BatchedPolicyServer:
+        """Refuse ``to``, ``cuda``, ``double`` and the like: they would change the trainer's module, not the served."""
+        raise TypeError(
+            "a BatchedPolicyServer serves copies of its policy placed when it is built: .to(), .cuda(), .double() and "
+            "the like would change only the module it was given (the trainer's), not what it serves. Build the "
+            "server with device=... (and a policy of the dtype to serve); change the trainer's module directly"
+        )
 
     def register_collector(self, collector: Any) -> None:
         """Refuse to be a collector's policy (TorchRL's ``Collector`` calls this on the policy it is given)."""
