@@ -111,6 +111,36 @@ def test_writing_into_one_callers_result_changes_no_other_callers():
         assert int(out["policy_version"]) == 0
 
 
+class GradPlanner(torch.nn.Module):
+    """Plans its action by a few gradient steps, with grad turned back on inside its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cost = torch.nn.Linear(8, 1)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            action = torch.zeros_like(observation, requires_grad=True)
+            for _ in range(3):
+                (grad,) = torch.autograd.grad((self.cost(observation + action) ** 2).sum(), action)
+                action = (action - 0.1 * grad).detach().requires_grad_()
+            return action * 2.0  # an output with a graph behind it
+
+
+def test_an_output_computed_with_grad_turned_on_inside_the_policy_reaches_callers_as_plain_data():
+    # It came back as a view made under no_grad of a tensor that required grad: the caller could not write
+    # into its result ("a view was created in no_grad mode"), and each result kept the batch's graph alive.
+    policy = TensorDictModule(GradPlanner(), in_keys=["observation"], out_keys=["action"])
+    requests = [obs(), obs(4), obs()]
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        outs = [remote(td.clone()) for td in requests[:2]] + [remote.submit(requests[2].clone()).result()]
+    for out, td in zip(outs, requests):
+        assert not out["action"].requires_grad and out["action"].grad_fn is None
+        torch.testing.assert_close(out["action"], policy(td.clone())["action"].detach())
+        out["action"].add_(1.0)  # the caller's to change
+
+
 def test_a_fresh_output_is_handed_out_without_a_copy():
     from torchrl_batchserve.serve import owned
 

@@ -88,14 +88,18 @@ def owned(output: TensorDictBase, key: NestedKey, foreign: frozenset[int], devic
     from anywhere else (a buffer the policy writes again at every call, as a
     CUDA-graph replay does). A fresh output, the common case, is handed out
     as it is, and so is a tensor that is not on ``device`` (where the results
-    go, if given): moving it there copies it.
+    go, if given): moving it there copies it. One a policy computed with grad
+    turned back on (a planner's inner optimization) is detached: a result is
+    data, and its rows would keep the batch's autograd graph alive.
     """
     value = output.get(key)
     if isinstance(value, torch.Tensor):
         if device is not None and value.device != device:
             return
         if _refs(value) > _FRESH or value._base is not None or value.untyped_storage().data_ptr() in foreign:
-            output.set(key, value.clone())
+            output.set(key, value.clone())  # (under no_grad: a copy without grad)
+        elif value.requires_grad:
+            output.set(key, value.detach())
     elif holds_tensors(value):
         output.set(key, value.clone())
 
