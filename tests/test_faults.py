@@ -621,6 +621,27 @@ def test_a_blocking_call_from_a_done_callback_in_the_serve_loop_is_refused_not_h
         future.result(10)
 
 
+def test_a_done_callback_in_the_serve_loop_runs_with_grad_on_as_in_any_thread():
+    # The serve loop turned grad off for its whole thread, so a callback training a module there got no grad
+    # ("element 0 of tensors does not require grad"), where a worker's callbacks, in its pool, had it.
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    seen: list = []
+    done = threading.Event()
+
+    def record(_future) -> None:
+        seen.append((threading.current_thread().name, torch.is_grad_enabled()))
+        done.set()
+
+    with BatchedPolicyServer(gated) as server:
+        future = server.remote_policy().submit(obs())
+        assert gated.entered.wait(10)  # still pending: its callback runs when the serve loop completes it
+        future.add_done_callback(record)
+        gated.gate.set()
+        assert done.wait(20)
+    assert seen[0][0].startswith("batchserve-replica") and seen[0][1]
+    assert not future.result()["logits"].requires_grad
+
+
 class Interrupted(Exception):
     """What a signal handler raises in a waiting caller (as Ctrl-C raises KeyboardInterrupt)."""
 

@@ -227,7 +227,6 @@ class Serving:
 
     def loop(self, replica: Replica) -> None:
         """Serve batches on ``replica`` until the queue is closed and empty, or the server breaks."""
-        torch.set_grad_enabled(False)  # grad mode is per thread
         # torch applies set_num_threads to a thread only once it asks; until
         # then MKL would run this thread's GEMMs on a team of one thread per core.
         torch.get_num_threads()
@@ -279,8 +278,8 @@ class Serving:
         replica = self.replicas[index]
         torch.get_num_threads()  # see loop(): this thread's intra-op team
         try:
-            # In this order: torch.inference_mode(False) turns grad mode back on.
-            with torch.inference_mode(False), torch.no_grad(), _no_autocast(replica.device):
+            # (serve turns grad off for the batch: torch.inference_mode(False) turns it back on)
+            with torch.inference_mode(False), _no_autocast(replica.device):
                 self.serve(replica, requests, reason)
         except Exception as err:  # a bug outside any one batch
             self._break(err, requests)
@@ -304,10 +303,11 @@ class Serving:
         outcomes: list[Outcome] = []
         followers: list[Outcome] = []
         try:
-            live = self._claim(requests)
-            self._refresh(replica)
-            outcomes = [self._run_group(replica, group, reason) for group in _groups(live)]
-            followers = self._followers(outcomes, replica)
+            with torch.no_grad():  # the batch only: a submit's done-callbacks run below, in the thread's own mode
+                live = self._claim(requests)
+                self._refresh(replica)
+                outcomes = [self._run_group(replica, group, reason) for group in _groups(live)]
+                followers = self._followers(outcomes, replica)
         finally:
             callers = [r.caller for r in requests] + [r.caller for group, _, _ in followers for r in group]
             self.queue.done_serving(callers, replica.index)  # idle before they wake
