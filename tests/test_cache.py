@@ -243,9 +243,12 @@ def test_key_fn_names_the_row(policy):
     assert torch.equal(a["logits"], b["logits"]) and not torch.equal(b["logits"], c["logits"])
 
 
-def test_a_tensor_key_from_key_fn_is_keyed_by_its_value_and_an_unhashable_one_is_refused(policy):
-    # td["board_id"] itself hashes by identity: every row missed, silently.
-    with BatchedPolicyServer(policy, cache=EvaluationCache(key_fn=lambda td: td["board_id"])) as server:
+@pytest.mark.parametrize(
+    "key_fn", [lambda td: td["board_id"], lambda td: (td["board_id"], "board"), lambda td: ("v1", (td["board_id"],))]
+)
+def test_a_tensor_key_from_key_fn_is_keyed_by_its_value_and_an_unhashable_one_is_refused(policy, key_fn):
+    # td["board_id"] itself hashes by identity, and so does a tuple holding it: every row missed, silently.
+    with BatchedPolicyServer(policy, cache=EvaluationCache(key_fn=key_fn)) as server:
         remote = server.remote_policy()
         a = remote(obs(0).set("board_id", torch.tensor(5)))
         b = remote(obs(1).set("board_id", torch.tensor(5)))

@@ -111,13 +111,23 @@ def _feed(h: Any, value: Any) -> None:
             ) from None
 
 
+def _by_content(key: Any) -> Any:
+    """``key`` with each tensor or TensorDict in it, alone or in (nested) tuples, replaced by its digest."""
+    if isinstance(key, (torch.Tensor, TensorDictBase)):
+        return digest([key])
+    if isinstance(key, tuple):
+        return tuple(_by_content(k) for k in key)
+    return key
+
+
 class EvaluationCache:
     """A bounded, version-aware cache of policy outputs, keyed per row.
 
     Args:
         capacity: the most rows kept (least recently used go first).
         key_fn: ``key_fn(td) -> hashable`` for a single-row request ``td``
-            (a tensor it returns is keyed by its content); default: a
+            (a tensor it returns, alone or in a tuple, is keyed by its
+            content); default: a
             128-bit digest of the bytes of the policy's in_keys. It should
             read only those: from worker processes and other nodes nothing
             else travels.
@@ -189,10 +199,9 @@ class EvaluationCache:
         return [(mode, digest(row)) for row in rows]
 
     def _user_key(self, row: TensorDictBase) -> Hashable:
-        """``key_fn(row)``; a tensor it returns (e.g. ``td["board"]``, which hashes by identity) keyed by content."""
-        key = call_user_fn("key_fn", self.key_fn, row)
-        if isinstance(key, (torch.Tensor, TensorDictBase)):
-            return digest([key])
+        """``key_fn(row)``; a tensor it returns (e.g. ``td["board"]``, which hashes by identity), alone or in
+        a tuple, keyed by content."""
+        key = _by_content(call_user_fn("key_fn", self.key_fn, row))
         try:
             hash(key)
         except TypeError:
