@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -553,11 +555,22 @@ def test_cost_fn_and_max_batch_cost_go_together():
         BatchedPolicyServer(policy, cost_fn=LengthCost("x"), max_batch_cost=0)
 
 
-def test_a_cost_fn_returning_garbage_is_a_bad_request():
+@pytest.mark.parametrize("garbage", ["many", torch.tensor(2.5), -1, True, 2.0])
+def test_a_cost_fn_returning_garbage_is_a_bad_request(garbage):
+    # (a one-element float tensor was truncated to an int cost)
     policy = TensorDictModule(lambda x: x, in_keys=["x"], out_keys=["y"])
-    with BatchedPolicyServer(policy, cost_fn=lambda td: "many", max_batch_cost=10) as server:
-        with pytest.raises(BadRequestError, match="cost_fn must return an int >= 0 for each request, got 'many'"):
+    with BatchedPolicyServer(policy, cost_fn=lambda td: garbage, max_batch_cost=10) as server:
+        with pytest.raises(
+            BadRequestError, match=re.escape(f"cost_fn must return an int >= 0 for each request, got {garbage!r}")
+        ):
             server.remote_policy()(TensorDict(x=torch.ones(1)))
+
+
+@pytest.mark.parametrize("cost", [3, np.int64(3), torch.tensor(3), torch.tensor([3])])
+def test_a_cost_fn_may_return_any_integer(cost):
+    policy = TensorDictModule(lambda x: x, in_keys=["x"], out_keys=["y"])
+    with BatchedPolicyServer(policy, cost_fn=lambda td: cost, max_batch_cost=10) as server:
+        assert server.remote_policy()(TensorDict(x=torch.ones(1)))["y"].tolist() == [1.0]
 
 
 @pytest.mark.parametrize("path", ["thread", "worker"])

@@ -22,6 +22,7 @@ string), which travels as is.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -230,11 +231,13 @@ class Layout:
         return Validated(tuple(values), rows, batch_shape, device, cost, own)
 
     def _cost(self, td: TensorDictBase) -> int:
-        cost = call_user_fn("cost_fn", self._cost_fn, td)
-        if isinstance(cost, torch.Tensor) and cost.numel() == 1:
-            cost = int(cost)
-        if isinstance(cost, bool) or not isinstance(cost, int) or cost < 0:
-            raise BadRequestError(f"cost_fn must return an int >= 0 for each request, got {cost!r}")
+        got = call_user_fn("cost_fn", self._cost_fn, td)
+        try:  # an int, a numpy integer, a one-element integer tensor; a float one is no cost (it was truncated)
+            cost = -1 if isinstance(got, bool) else operator.index(got)
+        except TypeError:
+            cost = -1
+        if cost < 0:
+            raise BadRequestError(f"cost_fn must return an int >= 0 for each request, got {got!r}")
         if self._max_cost is not None and cost > self._max_cost:
             raise BadRequestError(f"the request costs {cost} (cost_fn), more than max_batch_cost={self._max_cost}")
         return cost
