@@ -522,6 +522,22 @@ def test_what_a_policy_writes_into_a_collate_fns_batch_never_reaches_the_callers
         torch.testing.assert_close(out["logits"], out["observation"][..., :2] * 2 + 1)
 
 
+@pytest.mark.parametrize("returned", [None, "tuple"])
+def test_a_collate_fn_that_returns_no_tensordict_fails_its_batch_with_a_policy_error_naming_it(returned):
+    # (an AttributeError from deep in the serve loop: "'tuple' object has no attribute 'values'")
+    def rows_as_is(rows):
+        return None if returned is None else tuple(rows)
+
+    policy = TensorDictModule(lambda x: x, in_keys=["x"], out_keys=["y"])
+    with BatchedPolicyServer(policy, collate=rows_as_is) as server:
+        got = "NoneType" if returned is None else "tuple"
+        with pytest.raises(
+            PolicyError, match=rf"FunctionCollate\('rows_as_is'\) returned {got}; expected a TensorDict"
+        ):
+            server.remote_policy()(TensorDict(x=torch.ones(1)))
+        assert server.statistics().failed_batches == 1
+
+
 # -- cost-bounded batches -------------------------------------------------------------------
 
 

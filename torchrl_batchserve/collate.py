@@ -222,7 +222,12 @@ class FunctionCollate:
         for request in requests:
             td = request.td.select(*keys)
             rows.extend(td.reshape(-1).unbind(0) if request.batch_shape else [td])
-        return self.fn(rows)
+        batch = self.fn(rows)
+        if not isinstance(batch, TensorDictBase):
+            raise PolicyError(
+                f"{self!r} returned {type(batch).__name__}; expected a TensorDict of the {len(rows)} rows"
+            )
+        return batch
 
     def split(self, output: TensorDictBase, requests: Sequence[Request], keys: Sequence[Any]) -> list[Sequence[Any]]:
         return split_rows(output, requests, keys)
