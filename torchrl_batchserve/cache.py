@@ -127,10 +127,9 @@ class EvaluationCache:
         capacity: the most rows kept (least recently used go first).
         key_fn: ``key_fn(td) -> hashable`` for a single-row request ``td``
             (a tensor it returns, alone or in a tuple, is keyed by its
-            content); default: a
-            128-bit digest of the bytes of the policy's in_keys. It should
-            read only those: from worker processes and other nodes nothing
-            else travels.
+            content); default: a 128-bit digest of the bytes of the policy's
+            in_keys. It should read only those: from worker processes and
+            other nodes nothing else travels.
             Two rows with one key must be the same input: the cache returns
             the outputs of either for both.
 
