@@ -752,6 +752,8 @@ def test_closing_a_ray_server_tells_its_actors_on_every_node_that_it_closed(clus
     running = [a.until_error.remote(120) for a in actors]
     while handle.statistics().batches < 6:  # all are calling
         time.sleep(0.05)
+    start = handle.statistics()  # pickled here and back: still the server actor's own snapshot
+    assert handle.statistics(since=start).requests >= 0
     # refused here, before anything reaches the actor or closes: the actors call on
     with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds >= 0 \(got 'soon'\)"):
         handle.close(timeout="soon")

@@ -1278,6 +1278,12 @@ def test_statistics_since_an_earlier_snapshot_cover_only_what_came_after(policy)
     assert server.statistics().uptime == server.statistics().uptime >= total.uptime  # it stopped at close
     with pytest.raises(TypeError, match="since must be a ServerStatistics .*, got int"):
         server.statistics(since=5)
+    # Taken off the wrong counters, these gave negative or inflated counts, silently.
+    with BatchedPolicyServer(policy) as other:
+        with pytest.raises(ValueError, match=r"an earlier statistics\(\) of this server.*\(got another server's\)"):
+            other.statistics(since=start)
+    with pytest.raises(ValueError, match=r"taken without since= \(got the difference a statistics\(since=...\)"):
+        server.statistics(since=window)
 
 
 def test_statistics_flatten_for_loggers_and_convert_with_asdict(policy):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["ReplicaStatistics", "ServerStatistics", "StatisticsRecorder", "log_statistics"]
@@ -83,13 +84,14 @@ class ServerStatistics:
     uptime: float = 0.0
     replicas: tuple[ReplicaStatistics, ...] = ()
     sample_counts: tuple[int, int, int] = (0, 0, 0)  # waits, forwards, applies recorded so far: for since=
+    origin: int = field(default=0, repr=False)  # the recorder that took it (0: a difference): for since=
 
     def as_dict(self) -> dict[str, float]:
         """The statistics as flat ``name: number`` pairs (``fired/<reason>``, ``replica<i>/<field>``)."""
         out: dict[str, float] = {
             name: getattr(self, name)
             for name in self.__dataclass_fields__
-            if name not in ("batch_size_histogram", "fired", "replicas", "sample_counts")
+            if name not in ("batch_size_histogram", "fired", "replicas", "sample_counts", "origin")
         }
         out.update(mean_batch_size=self.mean_batch_size, cache_hit_rate=self.cache_hit_rate)
         out.update({f"fired/{reason}": n for reason, n in self.fired.items()})
@@ -184,6 +186,7 @@ class StatisticsRecorder:
         self._forwards: deque[float] = deque(maxlen=window)
         self._applies: deque[float] = deque(maxlen=window)
         self._samples = [0, 0, 0]  # ever appended to waits, forwards, applies
+        self._origin = random.SystemRandom().getrandbits(63) | 1  # this server's, in its snapshots (pickled too)
         self._weight_updates = 0
 
     def batch(self, requests: int, rows: int, reason: str, waits: Iterable[float], forward: float, ok: bool) -> None:
@@ -250,6 +253,12 @@ class StatisticsRecorder:
         since: ServerStatistics | None = None,
     ) -> ServerStatistics:
         """The statistics now (``cache``: its hits, misses, coalesced counters), or since ``since`` was taken."""
+        if since is not None and since.origin != self._origin:
+            raise ValueError(
+                "since must be an earlier statistics() of this server, taken without since= (got "
+                + ("the difference a statistics(since=...) returns" if not since.origin else "another server's")
+                + "): the counters would be taken off the wrong ones"
+            )
         with self._lock:
             samples = tuple(self._samples)
             new = [n - (since.sample_counts[i] if since is not None else 0) for i, n in enumerate(samples)]
@@ -277,6 +286,7 @@ class StatisticsRecorder:
                 uptime=(time.monotonic() if self._ended is None else self._ended) - self._started,
                 replicas=replicas,
                 sample_counts=samples,  # type: ignore[arg-type]
+                origin=self._origin,
             )
         return now if since is None else _difference(now, since)
 
@@ -312,4 +322,5 @@ def _difference(now: ServerStatistics, since: ServerStatistics) -> ServerStatist
         batch_size_histogram=less(now.batch_size_histogram, since.batch_size_histogram),
         fired=less(now.fired, since.fired),
         replicas=replicas,
+        origin=0,
     )
