@@ -360,19 +360,17 @@ class Serving:
         if self.broken is not None:  # broke meanwhile: the gate let other forwards change the type under this one
             raise self.broken
         self._check(output, None if packed else rows)
-        keys = self._keys(output)
         device = self.output_device or group[0].device
         # On the replica's stream, so that fetch hands them out done: queued on this thread's stream, they could
         # wait behind other work there (a trainer's) while a caller on a stream of its own reads them.
         with replica.on_stream():
-            for key in keys:
+            for key in self._keys(output):
                 owned(output, key, foreign, device)
             if self.version_key is not None:
                 stamp = torch.full((rows,), replica.version, dtype=torch.long, device=device or output.device)
                 output.set(self.version_key, stamp)
-                keys = [*keys, self.version_key]
-        output = replica.fetch(output, keys, device)
-        return self.collate.split(output, group, keys), start
+        output = replica.fetch(output, self.delivered, device)  # those keys and the stamp
+        return self.collate.split(output, group, self.delivered), start
 
     def _keys(self, output: TensorDictBase) -> list[NestedKey]:
         """The keys of the outputs that a result carries, fixed by the first batch served.
