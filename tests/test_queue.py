@@ -139,17 +139,17 @@ def test_with_two_runners_two_batches_run_at_once_and_a_third_waits_for_one():
 
 def test_a_lone_blocking_caller_is_handed_its_own_batch_and_never_one_with_others():
     q = RequestQueue(max_batch_size=64, timeout=1e9)
-    assert q.put(R(caller="a"), may_serve=True) is None  # nobody is known yet: the serve loop runs it
+    assert q.put(R(caller="a"), may_serve=lambda: True) is None  # nobody is known yet: the serve loop runs it
     batch, _ = q.take_batch()
     q.done_serving([r.caller for r in batch])
-    taken = q.put(R(caller="a"), may_serve=True)  # a was alone in that batch, and is alone again
+    taken = q.put(R(caller="a"), may_serve=lambda: True)  # a was alone in that batch, and is alone again
     assert taken is not None and [r.caller for r in taken[0]] == ["a"] and taken[2] == 0
-    assert q.put(R(caller="a"), may_serve=True) is None  # its replica is busy: queued
+    assert q.put(R(caller="a"), may_serve=lambda: True) is None  # its replica is busy: queued
     shared = RequestQueue(max_batch_size=64, timeout=1e9)
     shared.put(R(caller="a"))
     shared.put(R(caller="b"))
     batch, _ = shared.take_batch()
     shared.done_serving([r.caller for r in batch])
     shared.put(R(caller="b"))
-    assert shared.put(R(caller="a"), may_serve=True) is None  # a was not alone: the serve loop runs it
+    assert shared.put(R(caller="a"), may_serve=lambda: True) is None  # a was not alone: the serve loop runs it
     assert len(shared.take_batch()[0]) == 2

@@ -13,6 +13,7 @@ flight, or queued, and then completed exactly once by a serve loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tensordict import TensorDictBase
@@ -88,7 +89,7 @@ class Intake:
         request.nested = GATE.inside()
         return request
 
-    def put(self, request: Request, may_serve: bool = False) -> Any:
+    def put(self, request: Request, may_serve: Callable[[], bool] | None = None) -> Any:
         """Answer ``request`` from the cache, join it to an identical one in flight, or queue it.
 
         A request that samples is always queued: an earlier sample is no

@@ -41,7 +41,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torchrl_batchserve.errors import BadRequestError, QueueFullError, ServerBrokenError, ServerClosedError
@@ -116,12 +116,15 @@ class RequestQueue:
     def timeout(self) -> float:
         return self._timeout
 
-    def put(self, request: Request, may_serve: bool = False) -> tuple[list[Request], FireReason, int] | None:
+    def put(
+        self, request: Request, may_serve: Callable[[], bool] | None = None
+    ) -> tuple[list[Request], FireReason, int] | None:
         """Enqueue ``request``, or raise at once if it can never be served (closed, broken, too big, full).
 
-        With ``may_serve`` (a blocking caller), returns ``(batch, reason,
-        replica)`` when the caller runs by itself (see the module docstring)
-        and ``replica`` is free: the caller runs the batch on it.
+        With ``may_serve`` (a blocking caller's), returns ``(batch, reason,
+        replica)`` when the caller runs by itself (see the module docstring),
+        ``replica`` is free and ``may_serve()`` (asked only then) says its
+        thread may run it: the caller runs the batch on it.
         """
         with self._cond:
             if self._closed:
@@ -145,7 +148,8 @@ class RequestQueue:
             if not self._free:
                 return None  # done_serving() looks at the queue next
             fires = self._full() or not self._idle
-            if fires and may_serve and self._inline and caller == self._solo and len(self._items) == 1:
+            solo = fires and self._inline and caller == self._solo and len(self._items) == 1
+            if solo and may_serve is not None and may_serve():
                 index = min(self._free)
                 self._free.discard(index)
                 return self._pop(), FireReason.FULL if self._full() else FireReason.ALL_WAITING, index

@@ -54,6 +54,15 @@ class LazyHub:
             hub.close(timeout)
 
 
+def _serves_as_a_serve_thread() -> bool:
+    """Whether this thread's default device is a serve thread's, the CPU, so that it may run its own batch.
+
+    ``torch.set_default_device`` and ``torch.device`` blocks are per thread:
+    run here, a batch would have the policy's new tensors made there.
+    """
+    return torch.empty(()).device.type == "cpu"
+
+
 class LocalEndpoint:
     """Serves the requests of this process, and opens the server to other processes.
 
@@ -116,9 +125,7 @@ class LocalEndpoint:
                 "for itself; call submit() or acall() there, or hand the call to another thread"
             )
         request: BlockingRequest = self._intake.request(BlockingRequest, td, threading.get_ident())
-        # A thread whose default device is not a serve thread's (torch.set_default_device and torch.device blocks
-        # are per thread) leaves its batch to a serve thread: run here, the policy's new tensors would land there.
-        taken = self._intake.put(request, may_serve=torch.empty(()).device.type == "cpu")
+        taken = self._intake.put(request, may_serve=_serves_as_a_serve_thread)
         if taken is not None:  # a lone caller: it runs its own batch (see queue.py)
             self._serving.serve_inline(taken)
         return request.wait(self._serving.alive)
