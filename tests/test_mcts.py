@@ -267,6 +267,56 @@ def test_a_search_takes_an_immediate_win_and_blocks_a_loss():
     assert int(search.run(search.tree(state), 400, temperature=0)["action"]) == 2  # X wins
 
 
+class ExtraMove:
+    """A two-move game in which a player may move twice in a row.
+
+    Player 0 moves first: move 0 gives it another move, in which it can win (0) or lose (1); move 1 passes the
+    turn to player 1, who can win (0) or draw (1). Player 0's best move is 0.
+    """
+
+    def reset(self) -> TensorDictBase:
+        return self._state(stage=0, turn=0, done=False)
+
+    @staticmethod
+    def _state(stage: int, turn: int, done: bool, reward0: float = 0.0) -> TensorDictBase:
+        return TensorDict(
+            board=torch.tensor([stage]),
+            turn=torch.tensor(turn),
+            mask=torch.tensor([not done, not done]),
+            done=torch.tensor([done]),
+            player0=TensorDict(reward=torch.tensor([reward0])),
+            player1=TensorDict(reward=torch.tensor([-reward0])),
+        )
+
+    def step(self, td: TensorDictBase) -> TensorDictBase:
+        stage, action = int(td["board"]), int(td["action"])
+        if stage == 0:
+            nxt = self._state(stage=1, turn=0, done=False) if action == 0 else self._state(stage=2, turn=1, done=False)
+        elif stage == 1:  # player 0 again
+            nxt = self._state(stage=3, turn=1, done=True, reward0=1.0 if action == 0 else -1.0)
+        else:  # player 1
+            nxt = self._state(stage=3, turn=0, done=True, reward0=-1.0 if action == 0 else 0.0)
+        return td.set("next", nxt)
+
+
+@pytest.mark.parametrize("searchers", [1, 4])
+def test_each_edge_is_scored_for_the_player_to_move_there_even_when_a_player_moves_twice(searchers):
+    def uniform(td):  # plain search: uniform priors, a draw as every leaf's value
+        return td.set("logits", torch.zeros(*td.batch_size, 2)).set("value", torch.zeros(*td.batch_size, 1))
+
+    env = ExtraMove()
+    search = TreeSearch(
+        env, uniform, searchers=searchers, observation_keys=["board"], state_keys=["board", "turn", "mask"]
+    )
+    tree = search.tree(env.reset())
+    out = search.run(tree, 200, temperature=0)
+    assert int(out["action"]) == 0  # scored as if the turns alternated, move 0 looked like a loss
+    assert float(out["value"]) > 0.5  # a forced win for player 0, the player to move at the root
+    again = search.advance(tree, 0)  # player 0 to move again: its win is its best move
+    assert int(search.run(again, 50, temperature=0)["action"]) == 0
+    search.close()
+
+
 @pytest.mark.parametrize("searchers", [1, 8])
 def test_a_policy_that_raises_mid_search_ends_it_with_a_typed_error(searchers):
     env = TicTacToeEnv()

@@ -27,8 +27,10 @@ of nodes in one call. A leaf's priors are computed the same way: a softmax
 over the legal moves' logits, read once per request into Python floats.
 
 The env's state lives in the TensorDict, as in TorchRL's ``TicTacToeEnv``:
-``env.step`` from a state and an ``action``, a boolean action mask, ``done``
-and the reward of the player who moved; a node keeps its state TensorDict.
+``env.step`` from a state and an ``action``, a boolean action mask, the
+player to move, ``done`` and the reward of the player who moved; a node keeps
+its state TensorDict. A value is backed up for the player to move at each
+node, so players need not alternate (a game may give a player an extra move).
 (Why not :class:`torchrl.data.MCTSForest`: it stores collected rollouts in a
 storage keyed by observation and builds trees from them on query; a search
 that updates visit counts and virtual losses in place, under concurrent
@@ -71,19 +73,21 @@ def _check_finite(name: str, number: Any, positive: bool = False) -> None:
 class Node:
     """A position of the tree: its env state and the statistics of its moves.
 
+    ``turn`` is the player to move here (the state's turn key).
     ``legal``, ``visits``, ``win_count`` (the sum of backed-up values, for
     the player to move here) and ``pending`` (walks in flight through each
     move) are lists with one entry per action; ``priors`` is ``None`` until
-    the node is expanded. ``terminal`` is the value of a finished game for the
-    player to move, else ``None``.
+    the node is expanded. ``terminal`` is the value of a finished game for
+    ``turn``, else ``None``.
     """
 
-    __slots__ = ("children", "legal", "pending", "priors", "state", "terminal", "visits", "win_count")
+    __slots__ = ("children", "legal", "pending", "priors", "state", "terminal", "turn", "visits", "win_count")
 
-    def __init__(self, state: TensorDictBase, legal: list[bool], terminal: float | None = None) -> None:
+    def __init__(self, state: TensorDictBase, legal: list[bool], terminal: float | None = None, turn: int = 0) -> None:
         actions = len(legal)
         self.state = state
         self.legal = legal
+        self.turn = turn
         self.terminal = terminal
         self.priors: list[float] | None = None
         self.visits = [0.0] * actions
@@ -242,7 +246,7 @@ class TreeSearch:
         done = state.get(self.done_key, None)
         if done is not None and bool(done.any()):
             raise ValueError(f"state is a finished game ({self.done_key!r} is True): there is no move to search")
-        return Tree(self._node(state.select(*self.state_keys), None))
+        return Tree(self._node(state.select(*self.state_keys)))
 
     def advance(self, tree: Tree, action: int) -> Tree:
         """The tree after ``action`` is played: the child's subtree, its statistics kept."""
@@ -254,19 +258,18 @@ class TreeSearch:
         with tree.lock:
             return Tree(self._child(tree.root, int(action)))
 
-    def _node(self, state: TensorDictBase, terminal: float | None) -> Node:
-        return Node(state, state[self.mask_key].reshape(-1).bool().tolist(), terminal)
+    def _node(self, state: TensorDictBase) -> Node:
+        return Node(state, state[self.mask_key].reshape(-1).bool().tolist(), turn=int(state[self.turn_key]))
 
     def _child(self, node: Node, action: int) -> Node:
         child = node.children.get(action)
         if child is None:
-            turn = int(node.state[self.turn_key])
             step = self.env.step(node.state.select(*self.state_keys).set("action", torch.tensor(action)))["next"]
-            terminal = None
+            child = self._node(step.select(*self.state_keys))
             if bool(step[self.done_key].any()):
-                terminal = -float(step[self._mover_reward(turn)])  # the mover's win is a loss for the player to move
-            child = self._node(step.select(*self.state_keys), terminal)
-            if terminal is None and not any(child.legal):
+                reward = float(step[self._mover_reward(node.turn)])
+                child.terminal = reward if child.turn == node.turn else -reward
+            elif not any(child.legal):
                 raise SearchError(
                     f"action {action} led to a state with no legal move ({self.mask_key!r} all False) "
                     f"whose {self.done_key!r} is False"
@@ -296,11 +299,10 @@ class TreeSearch:
                     best, best_score = action, score
         return best
 
-    def _descend(self, root: Node) -> tuple[list[tuple[Node, int]], Node | None, float]:
+    def _descend(self, root: Node) -> tuple[list[tuple[Node, int]], Node]:
         """Select from ``root`` to a leaf, marking the path in flight (under the tree's lock).
 
-        Returns the path, and the leaf to evaluate (``None`` when the walk
-        ended in a finished game, whose value comes with it).
+        Returns the path and its leaf: a finished game, or a node to evaluate.
         """
         node, path = root, []
         try:
@@ -309,22 +311,23 @@ class TreeSearch:
                 node.pending[action] += 1
                 path.append((node, action))
                 child = self._child(node, action)  # may step the env, which may raise
-                if child.terminal is not None:
-                    return path, None, child.terminal
-                if child.priors is None:
-                    return path, child, 0.0
+                if child.terminal is not None or child.priors is None:
+                    return path, child
                 node = child
         except BaseException:
             self._undo(path)
             raise
 
     @staticmethod
-    def _backup(path: list[tuple[Node, int]], value: float) -> None:
-        for node, action in reversed(path):  # the value alternates sides on the way up
-            value = -value
+    def _backup(path: list[tuple[Node, int]], value: float, turn: int) -> None:
+        """Count a walk's ``value``, for the player ``turn``, on each edge: for the player to move at its node.
+
+        (Not by alternating signs: in some games a player moves twice in a row.)
+        """
+        for node, action in path:
             node.pending[action] -= 1
             node.visits[action] += 1
-            node.win_count[action] += value
+            node.win_count[action] += value if node.turn == turn else -value
 
     @staticmethod
     def _undo(path: list[tuple[Node, int]]) -> None:
@@ -374,9 +377,9 @@ class TreeSearch:
                     if not count:
                         return
                     for _ in range(count):
-                        path, leaf, value = self._descend(tree.root)
-                        if leaf is None:
-                            self._backup(path, value)
+                        path, leaf = self._descend(tree.root)
+                        if leaf.terminal is not None:
+                            self._backup(path, leaf.terminal, leaf.turn)
                         else:
                             walks.append((path, leaf))
                 if not walks:
@@ -393,7 +396,7 @@ class TreeSearch:
                 for (path, leaf), leaf_priors, value in zip(walks, priors, values):
                     if leaf.priors is None:  # another walk may have expanded it meanwhile
                         leaf.priors = leaf_priors
-                    self._backup(path, value)
+                    self._backup(path, value, leaf.turn)
 
     # -- running searches -----------------------------------------------------------------------
 
