@@ -566,6 +566,7 @@ def test_a_policy_raising_a_base_exception_breaks_the_server_and_every_caller_le
     assert isinstance(info.value.__cause__, SystemExit)
     with pytest.raises(ServerBrokenError):
         remote.submit(obs())
+    assert server.closed  # it takes no more requests, though nobody closed it
     assert server.close(timeout=10) is True
 
 

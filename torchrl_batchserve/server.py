@@ -521,6 +521,7 @@ class BatchedPolicyServer(TensorDictModule):
 
     @property
     def closed(self) -> bool:
+        """Whether the server takes no more requests: closed, or broken (a serve loop died)."""
         return self._queue.closed
 
     def __enter__(self) -> BatchedPolicyServer:
