@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -298,3 +299,61 @@ def test_an_input_spec_in_yaml_fixes_the_layout_by_key_and_names_the_entry_it_ca
         build_server({"input_spec": {"th": {"shape": 4}}}, make_policy())
     with pytest.raises(ValueError, match="entry 'th': device 'gpu' is unusable here"):
         build_server({"input_spec": {"th": {"shape": [], "device": "gpu"}}}, make_policy())
+
+
+class Helped(torch.nn.Module):
+    """A policy that asks another server for its features: ``act = lin(helper(obs))``."""
+
+    def __init__(self, helper) -> None:
+        super().__init__()
+        self.helper = helper
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.helper(obs=obs))
+
+
+def make_helped(helper) -> TensorDictModule:
+    return TensorDictModule(Helped(helper), in_keys=["obs"], out_keys=["act"])
+
+
+def test_a_server_node_whose_policy_calls_another_server_node_builds_both():
+    # The outer server's policy node holds the helper's remote_policy node: building the outer server builds the
+    # helper inside it, where the outer one holds the names' lock (a plain lock hung there for good).
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(
+        {
+            "helper": {
+                "_target_": "torchrl_batchserve.config.server",
+                "_recursive_": False,
+                "name": "helper",
+                "policy": {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 2},
+                "in_keys": ["obs"],
+                "out_keys": ["h"],
+            },
+            "main": {
+                "_target_": "torchrl_batchserve.config.server",
+                "_recursive_": False,
+                "name": "helped",
+                "policy": {
+                    "_target_": f"{__name__}.make_helped",
+                    "helper": {"_target_": "torchrl_batchserve.config.remote_policy", "server": "${helper}"},
+                },
+            },
+        }
+    )
+    built: list = []
+    building = threading.Thread(target=lambda: built.append(instantiate(cfg.main)), daemon=True)
+    building.start()
+    building.join(60)
+    assert built, "building the outer server hung"
+    [main] = built
+    helper = instantiate(cfg.helper)  # the one built for the outer policy
+    try:
+        obs = torch.randn(2)
+        out = main.remote_policy()(TensorDict(obs=obs))
+        assert torch.allclose(out["act"], main.module.module.lin(helper.module(obs)))
+    finally:
+        main.close()
+        helper.close()

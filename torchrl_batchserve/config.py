@@ -188,7 +188,7 @@ class ServedModuleConfig(ConfigBase):
 # name -> (settings, server): held weakly, so a server nobody uses any more (a closed one, its
 # replicas' device memory included) is not kept alive by its name.
 _SERVERS: dict[str, tuple[dict, weakref.ref[Any]]] = {}
-_SERVERS_LOCK = threading.Lock()
+_SERVERS_LOCK = threading.RLock()  # a policy node may build another server node inside the first one's build
 _NOT_KWARGS = ("_target_", "_recursive_", "name", "policy")
 
 
