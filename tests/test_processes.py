@@ -388,6 +388,19 @@ def test_a_hub_gone_during_the_handshake_is_told_dead_or_closed(tmp_path, then, 
     thread.join(10)
 
 
+@pytest.mark.parametrize("missing", ["eventfd", "memfd_create"])
+def test_pickling_a_remote_policy_where_the_os_lacks_eventfd_or_memfd_says_so_and_the_server_serves_on(
+    policy, missing, monkeypatch
+):
+    # macOS has neither: the process path is Linux's; the server's own threads are served as anywhere.
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        monkeypatch.delattr(os, missing)
+        with pytest.raises(NotImplementedError, match=rf"worker processes reach a server through Linux's .*{missing}"):
+            pickle.dumps(remote)
+        assert remote(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)
+
+
 def test_a_hub_reader_that_dies_fails_every_worker_instead_of_leaving_it_waiting(policy, monkeypatch):
     def bug(self, client):
         raise RuntimeError("a bug in the reader")

@@ -82,6 +82,7 @@ import secrets
 import selectors
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -315,6 +316,12 @@ class ProcessHub:
     """
 
     def __init__(self, keys: Sequence[Any], intake: Intake) -> None:
+        missing = [name for name in ("eventfd", "memfd_create") if not hasattr(os, name)]
+        if missing:
+            raise NotImplementedError(
+                f"worker processes reach a server through Linux's {' and '.join(missing)}, which this platform "
+                f"({sys.platform}) lacks: here, serve the threads and asyncio tasks of the server's process"
+            )
         self._keys = list(keys)
         self._intake = intake
         self._dir = tempfile.mkdtemp(prefix="torchrl_batchserve-")
