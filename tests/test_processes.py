@@ -11,6 +11,7 @@ import pickle
 import queue
 import signal
 import socket
+import tempfile
 import threading
 import time
 import warnings
@@ -399,6 +400,18 @@ def test_pickling_a_remote_policy_where_the_os_lacks_eventfd_or_memfd_says_so_an
         with pytest.raises(NotImplementedError, match=rf"worker processes reach a server through Linux's .*{missing}"):
             pickle.dumps(remote)
         assert remote(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)
+
+
+def test_a_temporary_folder_too_deep_for_a_unix_socket_leaves_the_hubs_socket_in_tmp(policy, tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 100)  # a cluster job's TMPDIR may be this long
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with BatchedPolicyServer(policy) as server:
+        remote = pickle.loads(pickle.dumps(server.remote_policy()))  # a client of the hub, as in a worker
+        assert remote(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)
+        address = server._endpoint.lazy_hub.address[0]
+        assert address.startswith("/tmp/torchrl_batchserve-") and os.path.exists(address)
+    assert not os.path.exists(os.path.dirname(address)) and not list(deep.iterdir())
 
 
 def test_a_hub_reader_that_dies_fails_every_worker_instead_of_leaving_it_waiting(policy, monkeypatch):

@@ -302,6 +302,17 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def _socket_folder() -> str:
+    """A private folder for the hub's socket: in the temporary folder, or in ``/tmp`` where a path there
+    would be too long for a Unix socket (108 bytes; a cluster job's ``TMPDIR`` may be), as Python's own
+    ``multiprocessing`` does."""
+    folder = tempfile.mkdtemp(prefix="torchrl_batchserve-")
+    if len(os.fsencode(os.path.join(folder, "hub.sock"))) < 108:
+        return folder
+    os.rmdir(folder)
+    return tempfile.mkdtemp(prefix="torchrl_batchserve-", dir="/tmp")
+
+
 def _remove_folder(folder: str, owner: int) -> None:
     if os.getpid() == owner:  # never from a forked child: the socket is the parent's
         shutil.rmtree(folder, ignore_errors=True)
@@ -324,7 +335,7 @@ class ProcessHub:
             )
         self._keys = list(keys)
         self._intake = intake
-        self._dir = tempfile.mkdtemp(prefix="torchrl_batchserve-")
+        self._dir = _socket_folder()
         self._finalizer = weakref.finalize(self, _remove_folder, self._dir, os.getpid())
         self.address = os.path.join(self._dir, "hub.sock")
         self.authkey = secrets.token_bytes(AUTHKEY_BYTES)
