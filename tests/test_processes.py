@@ -26,6 +26,7 @@ from tensordict.nn import InteractionType, TensorDictModule, set_interaction_typ
 from torch import nn
 
 from torchrl_batchserve import BatchedPolicyServer, ServerBrokenError, ServerClosedError, WeightSyncError
+from torchrl_batchserve.transport import hub as hub_module
 from torchrl_batchserve.transport.client import ProcessClient
 from torchrl_batchserve.transport.hub import ProcessHub, _Client
 from torchrl_batchserve.transport.slots import Slot
@@ -400,6 +401,29 @@ def test_pickling_a_remote_policy_where_the_os_lacks_eventfd_or_memfd_says_so_an
         with pytest.raises(NotImplementedError, match=rf"worker processes reach a server through Linux's .*{missing}"):
             pickle.dumps(remote)
         assert remote(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)
+
+
+def test_a_hub_that_cannot_make_a_lane_serves_its_workers_pickled_and_says_why_once(net, policy, monkeypatch, caplog):
+    def out_of_descriptors(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(Slot, "create", out_of_descriptors)
+    monkeypatch.setattr(hub_module, "_SLOTS_WARNED", False)
+    obs = [torch.randn(8, generator=torch.Generator().manual_seed(i)) for i in range(16)]
+
+    async def rounds(remote) -> list:
+        return [await asyncio.gather(*(remote.acall(TensorDict(observation=x)) for x in obs)) for _ in range(3)]
+
+    with BatchedPolicyServer(policy) as server:
+        remote = pickle.loads(pickle.dumps(server.remote_policy()))  # a client of the hub, as in a worker
+        with caplog.at_level("WARNING", logger="torchrl_batchserve"):
+            outs = asyncio.run(rounds(remote))
+    for out in outs:  # lanes only save time: no request failed for want of one
+        for td, x in zip(out, obs):
+            torch.testing.assert_close(td["logits"], net(x))
+    assert remote._endpoint._lanes == []
+    said = [r.getMessage() for r in caplog.records if "no shared-memory lane" in r.getMessage()]
+    assert len(said) == 1 and "Too many open files" in said[0] and "ulimit -n" in said[0]
 
 
 def test_a_temporary_folder_too_deep_for_a_unix_socket_leaves_the_hubs_socket_in_tmp(policy, tmp_path, monkeypatch):

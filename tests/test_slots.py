@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from torchrl_batchserve.transport.slots import Slot
+from torchrl_batchserve.transport.slots import Headers, Slot
 
 
 @pytest.fixture
@@ -110,3 +112,33 @@ def test_a_client_first_called_in_inference_mode_serves_its_calls_outside_it():
     out.add_(0)  # an in-place op, as a caller may do
     with torch.no_grad():
         torch.testing.assert_close(out, net(x))
+
+
+def memory_files() -> int:
+    """This process's open descriptors of shared memory files (memfds)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += "memfd:" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (listdir's own descriptor)
+            pass
+    return count
+
+
+def test_mapped_slots_and_headers_hold_no_descriptor_and_share_their_memory():
+    # Python's mmap kept a duplicate of each one's descriptor open as long as it lived: two per lane on each
+    # side, so a server of many busy workers ran out of descriptors (ulimit -n, often 1024).
+    before = memory_files()
+    pairs = []
+    for _ in range(8):
+        slot, fd = Slot.create([("x", torch.float32, (3,))], 4)
+        headers, headers_fd = Headers.create()
+        pairs.append(
+            (slot, Slot.attach(slot.fields, slot.capacity, slot.size, fd), headers, Headers.attach(headers_fd))
+        )
+    assert memory_files() == before  # attach closed each descriptor, and no mapping keeps one
+    slot, peer, headers, peer_headers = pairs[-1]
+    slot.write([torch.arange(12.0).view(4, 3)], 4, (4,))
+    assert torch.equal(peer.read(4, (4,))[0], torch.arange(12.0).view(4, 3))  # one memory, two mappings
+    headers.write(5, 42, 3, (3,), None)
+    assert peer_headers.read(5) == (42, 3, (3,), None)

@@ -233,7 +233,11 @@ class _Client:
             return
         # The lane's first outputs (or of a new shape): a new output slot comes with this reply.
         specs = [(k, v.dtype, tuple(v.shape[len(shape) :])) for k, v in zip(keys, values)]
-        slot, fd = Slot.create(specs, lane.inputs.capacity)
+        made = _new_slot(specs, lane.inputs.capacity)
+        if made is None:
+            self._send_outputs(request)
+            return
+        slot, fd = made
         slot.write(values, rows, shape)
         lane.outputs = slot
         self._send(_done(request.seq, out=slot.describe()), fds=[fd])
@@ -254,6 +258,29 @@ class _Client:
                 close()
             except OSError:
                 pass
+
+
+def _new_slot(specs: Sequence[tuple[Any, Any, tuple[int, ...]]], capacity: int) -> tuple[Slot, int] | None:
+    """A new slot and its descriptor; ``None`` where the process has no descriptor or memory left for one.
+
+    Lanes only save time: without one, requests and replies travel pickled.
+    Said once a process, on the ``torchrl_batchserve`` logger.
+    """
+    global _SLOTS_WARNED
+    try:
+        return Slot.create(specs, capacity)
+    except OSError as err:
+        if not _SLOTS_WARNED:
+            _SLOTS_WARNED = True
+            _log.warning(
+                "no shared-memory lane for a worker (%s): its requests and replies travel pickled, which is "
+                "slower; raise the open-file limit (ulimit -n) if it is out of descriptors",
+                err,
+            )
+        return None
+
+
+_SLOTS_WARNED = False
 
 
 def _close_all(fds: Sequence[int]) -> None:
@@ -582,7 +609,10 @@ class ProcessHub:
             return  # as many lanes as requests in flight: it came pickled for a reason of its own
         largest = max((lane.inputs.capacity for lane in lanes), default=0)
         capacity = largest if request.rows <= largest else max(request.rows, 2 * largest)
-        slot, fd = Slot.create(specs, capacity)
+        made = _new_slot(specs, capacity)
+        if made is None:
+            return
+        slot, fd = made
         lanes.append(Lane(len(lanes), slot))
         client.send(("lane", len(lanes) - 1, *slot.describe()), fds=[fd])
 

@@ -15,7 +15,6 @@ would have said.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -42,6 +41,20 @@ def _memfd(name: str, size: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _map(fd: int, size: int) -> torch.Tensor:
+    """The shared memory file ``fd`` as a ``uint8`` tensor of ``size`` bytes, holding no descriptor.
+
+    Mapped by torch: Python's ``mmap`` keeps a duplicate of the descriptor
+    open as long as it lives, two per lane on each side, which ran a server
+    of many busy workers out of descriptors (``ulimit -n``, often 1024).
+    A normal tensor, whatever the calling thread has on: one made in a
+    caller's inference mode could not be written (in place) by the client's
+    other callers, nor read into their normal results.
+    """
+    with torch.inference_mode(False):
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
 
 
 def storable(value: Any) -> bool:
@@ -80,12 +93,9 @@ class Slot:
         self.fields = tuple(fields)
         self.capacity = capacity
         self.size = size
-        self._mmap = mmap.mmap(fd, size)
         self.tensors: dict[Any, torch.Tensor] = {}
-        # Normal tensors, whatever the making thread has on: one made in a caller's inference mode could not be
-        # written (in place) by the client's other callers, nor read into their normal results.
+        raw = _map(fd, size)
         with torch.inference_mode(False):
-            raw = torch.frombuffer(self._mmap, dtype=torch.uint8)
             for f in self.fields:
                 nbytes = capacity * _row_bytes(f.dtype, f.feature)
                 self.tensors[f.key] = raw[f.offset : f.offset + nbytes].view(f.dtype).view(capacity, *f.feature)
@@ -194,8 +204,7 @@ class Headers:
     SIZE = MAX_LANES * _WORDS * 8
 
     def __init__(self, fd: int) -> None:
-        self._mmap = mmap.mmap(fd, self.SIZE)
-        self._words = memoryview(self._mmap).cast("q")
+        self._words = _map(fd, self.SIZE).numpy().data.cast("q")
 
     @classmethod
     def create(cls) -> tuple[Headers, int]:
