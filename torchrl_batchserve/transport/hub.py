@@ -330,9 +330,11 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _socket_folder() -> str:
-    """A private folder for the hub's socket: in the temporary folder, or in ``/tmp`` where a path there
-    would be too long for a Unix socket (108 bytes; a cluster job's ``TMPDIR`` may be), as Python's own
-    ``multiprocessing`` does."""
+    """A private folder for the hub's socket.
+
+    In the temporary folder, or in ``/tmp`` where a path there would be too
+    long for a Unix socket (108 bytes; a cluster job's ``TMPDIR`` may be).
+    """
     folder = tempfile.mkdtemp(prefix="torchrl_batchserve-")
     if len(os.fsencode(os.path.join(folder, "hub.sock"))) < 108:
         return folder
