@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import gc
 import multiprocessing as mp
 import os
@@ -424,6 +425,28 @@ def test_a_hub_that_cannot_make_a_lane_serves_its_workers_pickled_and_says_why_o
     assert remote._endpoint._lanes == []
     said = [r.getMessage() for r in caplog.records if "no shared-memory lane" in r.getMessage()]
     assert len(said) == 1 and "Too many open files" in said[0] and "ulimit -n" in said[0]
+
+
+def test_a_worker_that_finds_the_hubs_backlog_full_waits_for_room_instead_of_giving_up(policy, monkeypatch):
+    # Connecting with a timeout, a Unix socket is refused at once (EAGAIN) while the hub's backlog of
+    # connections not yet accepted is full: of hundreds of workers connecting at once, those past it found the
+    # server "closed or gone" for good.
+    real = socket.socket.connect
+    full = {"refusals": 3}
+
+    def connect(sock, address):
+        if (
+            sock.family == socket.AF_UNIX and sock.gettimeout() is not None and full["refusals"]
+        ):  # (a blocking one waits)
+            full["refusals"] -= 1
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        return real(sock, address)
+
+    with BatchedPolicyServer(policy) as server:
+        remote = pickle.loads(pickle.dumps(server.remote_policy()))  # a client of the hub, as in a worker
+        monkeypatch.setattr(socket.socket, "connect", connect)
+        assert remote(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)
+        assert full["refusals"] == 0
 
 
 def test_a_temporary_folder_too_deep_for_a_unix_socket_leaves_the_hubs_socket_in_tmp(policy, tmp_path, monkeypatch):

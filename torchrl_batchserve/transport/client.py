@@ -27,6 +27,7 @@ import pickle
 import select
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -118,7 +119,7 @@ class ProcessClient:
             conn = None
             try:
                 sock.settimeout(HANDSHAKE_TIMEOUT)
-                sock.connect(self.address)
+                _connect(sock, self.address)
                 sock.sendall(self.authkey)
                 answer = sock.recv(1)
                 if answer == REFUSED_BROKEN:
@@ -457,6 +458,25 @@ def _set_result(waiter: tuple[Any, Any, TensorDictBase], reply: tuple[Any, Any, 
             future.set_result(td)
     except InvalidStateError:
         pass  # cancelled a moment ago: nobody waits
+
+
+def _connect(sock: socket.socket, address: str) -> None:
+    """Connect ``sock`` (which has a timeout) to the hub, waiting for room in its backlog.
+
+    A Unix socket with a timeout is refused at once (``EAGAIN``) while the
+    listener's backlog of connections not yet accepted is full (hundreds of
+    workers connecting at once), where a blocking one would wait: so try
+    again, for up to ``HANDSHAKE_TIMEOUT``.
+    """
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
 
 
 def _died(address: str) -> bool:

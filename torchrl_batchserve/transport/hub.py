@@ -370,7 +370,7 @@ class ProcessHub:
         self.authkey = secrets.token_bytes(AUTHKEY_BYTES)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.address)
-        self._listener.listen(128)
+        self._listener.listen(4096)  # (the kernel caps it at net.core.somaxconn) workers may all connect at once
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
         self._pending: list[_Client] = []
