@@ -434,10 +434,8 @@ def test_a_worker_that_finds_the_hubs_backlog_full_waits_for_room_instead_of_giv
     real = socket.socket.connect
     full = {"refusals": 3}
 
-    def connect(sock, address):
-        if (
-            sock.family == socket.AF_UNIX and sock.gettimeout() is not None and full["refusals"]
-        ):  # (a blocking one waits)
+    def connect(sock, address):  # as the kernel does: a blocking socket waits for room instead
+        if sock.family == socket.AF_UNIX and sock.gettimeout() is not None and full["refusals"]:
             full["refusals"] -= 1
             raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
         return real(sock, address)
