@@ -22,7 +22,6 @@ string), which travels as is.
 
 from __future__ import annotations
 
-import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -31,7 +30,7 @@ import torch
 from tensordict import TensorDictBase, is_non_tensor, is_tensor_collection, is_tensorclass
 
 from torchrl_batchserve.errors import BadRequestError
-from torchrl_batchserve.weights import key_path
+from torchrl_batchserve.weights import as_integer, key_path
 
 __all__ = ["KeySpec", "Layout", "Validated", "flat_rows", "layout_of", "request_entries", "shaped_rows"]
 
@@ -232,11 +231,8 @@ class Layout:
 
     def _cost(self, td: TensorDictBase) -> int:
         got = call_user_fn("cost_fn", self._cost_fn, td)
-        try:  # an int, a numpy integer, a one-element integer tensor; a float one is no cost (it was truncated)
-            cost = -1 if isinstance(got, bool) else operator.index(got)
-        except TypeError:
-            cost = -1
-        if cost < 0:
+        cost = as_integer(got)
+        if cost is None or cost < 0:
             raise BadRequestError(f"cost_fn must return an int >= 0 for each request, got {got!r}")
         if self._max_cost is not None and cost > self._max_cost:
             raise BadRequestError(f"the request costs {cost} (cost_fn), more than max_batch_cost={self._max_cost}")

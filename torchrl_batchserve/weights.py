@@ -227,16 +227,25 @@ def non_persistent(module: nn.Module) -> frozenset:
     return frozenset(path[0] if len(path) == 1 else path for path in names)
 
 
+def as_integer(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (an int, a numpy integer, a one-element integer tensor; not a
+    bool, nor a float tensor, which would be truncated), else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_version(version: Any) -> int | None:
     """``version`` as an int (``None``: the next one); :class:`WeightSyncError` if it is no integer."""
     if version is None:
         return None
-    try:
-        if isinstance(version, bool):
-            raise TypeError
-        return operator.index(version)  # an int, a numpy integer, a one-element integer tensor
-    except TypeError:
-        raise WeightSyncError(f"version must be an int (or None: the next one), got {version!r}") from None
+    number = as_integer(version)
+    if number is None:
+        raise WeightSyncError(f"version must be an int (or None: the next one), got {version!r}")
+    return number
 
 
 def key_path(key: Any) -> tuple[str, ...]:
