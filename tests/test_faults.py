@@ -34,6 +34,7 @@ from torchrl_batchserve import (
     WeightSyncError,
 )
 from torchrl_batchserve.errors import own_copy
+from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.request import BlockingRequest, Relay
 from torchrl_batchserve.transport.hub import _Client
 
@@ -386,18 +387,51 @@ def test_meta_weights_are_refused_with_a_weight_sync_error():
         assert int(server.remote_policy()(obs())["policy_version"]) == 0
 
 
-def test_a_server_dropped_without_close_ends_its_threads_and_removes_its_socket():
+def test_a_server_dropped_without_close_ends_its_threads_and_releases_its_socket_and_descriptors(monkeypatch):
     policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
     server = BatchedPolicyServer(policy)
-    client_of(server)(obs())
-    threads, folder = list(server._serving.threads), os.path.dirname(server._endpoint.lazy_hub.hub.address)
+    client = client_of(server)
+    client(obs())
+    hub = server._endpoint.lazy_hub.hub
+    threads, folder = [*server._serving.threads, hub._accepter, hub._reader], os.path.dirname(hub.address)
+    pipe = {fd: os.fstat(fd).st_ino for fd in (hub._wake_r, hub._wake_w)}  # the reader's wake-up pipe
+    # The hub's reader is busy with a request when the server goes, so the finalizer's close cannot wait for it.
+    busy, release, outcome = threading.Event(), threading.Event(), []
+    take = Intake.request
+
+    def held(*args, **kwargs):
+        busy.set()
+        release.wait(10)
+        return take(*args, **kwargs)
+
+    monkeypatch.setattr(Intake, "request", held)
+
+    def call():
+        try:
+            client(obs())
+        except BatchServeError as err:
+            outcome.append(err)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert busy.wait(10)
     ref = weakref.ref(server)
-    del server
+    del server, hub
     gc.collect()
     assert ref() is None
-    for t in threads:
+    release.set()
+    for t in [*threads, caller]:
         t.join(10)
     assert not any(t.is_alive() for t in threads) and not os.path.exists(folder)
+    assert isinstance(outcome[0], ServerClosedError)
+    assert not [fd for fd, inode in pipe.items() if inode == _inode(fd)]  # closed by the reader on its way out
+
+
+def _inode(fd: int) -> int | None:
+    try:
+        return os.fstat(fd).st_ino
+    except OSError:
+        return None
 
 
 def test_a_remote_policy_keeps_its_server_serving_after_the_last_other_reference_is_gone():

@@ -46,7 +46,8 @@ what a client's socket does not take at once waits, in order, in the client's
 outbox, which the reader sends as the socket drains: no serve loop ever waits
 on a worker (one stopped with a large reply due holds up no one).
 The reader alone closes the descriptors of the clients it reads (a worker that
-hung up, and every worker when the hub closes), so none is closed under it.
+hung up, and every worker when the hub closes), so none is closed under it,
+and its own wake-up pipe as it ends (a close that stops waiting for it leaks none).
 
 Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`):
 
@@ -438,7 +439,7 @@ class ProcessHub:
         with self._lock:
             if not self._closed and self._broken is None:
                 self._pending.append(client)
-                os.write(self._wake_w, b"x")
+                self._wake()
                 return
             broken = self._broken
         if broken is not None:
@@ -493,13 +494,21 @@ class ProcessHub:
             self._break(f"the server's process hub failed: {err!r}")
         finally:
             selector.close()
+            with self._lock:  # last: a close() that gave up waiting for this thread leaves the pipe to it
+                pipe, self._wake_w = (self._wake_r, self._wake_w), -1
+                _close_all(pipe)
+
+    def _wake(self) -> None:
+        """Wake the reader (under ``_lock``), unless it has ended."""
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"x")
 
     def _backlog(self, client: _Client) -> None:
         """``client``'s socket took less than was sent: the reader sends the rest when it can."""
         with self._lock:
             if not self._closed:
                 self._backlogged.add(client)
-                os.write(self._wake_w, b"x")
+                self._wake()
 
     def _break(self, reason: str) -> None:
         """The reader died: nobody would read a worker's requests, so every worker's calls fail now."""
@@ -639,7 +648,7 @@ class ProcessHub:
                 return True
             self._closed = True
             pending, self._pending = self._pending, []
-        os.write(self._wake_w, b"x")
+            self._wake()
         self._knock()
         # The socket file goes first: a client that finds none knows the server closed, while one refused at
         # a file with nobody listening knows its process died (ProcessClient).
@@ -650,11 +659,7 @@ class ProcessHub:
             self._drop(client)
         for thread in (self._accepter, self._reader):
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        stopped = not (self._accepter.is_alive() or self._reader.is_alive())
-        if stopped:
-            for fd in (self._wake_r, self._wake_w):
-                os.close(fd)
-        return stopped
+        return not (self._accepter.is_alive() or self._reader.is_alive())
 
     def _forget(self) -> None:
         """In a forked child: close every descriptor of the parent's hub, touch nothing else."""
@@ -663,8 +668,5 @@ class ProcessHub:
         for client in list(self._clients.values()) + self._pending:
             client.close()
         self._listener.close()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        if self._wake_w >= 0:  # (else the parent's reader had closed the pipe)
+            _close_all((self._wake_r, self._wake_w))
