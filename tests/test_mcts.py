@@ -317,6 +317,51 @@ def test_each_edge_is_scored_for_the_player_to_move_there_even_when_a_player_mov
     search.close()
 
 
+class Puzzle:
+    """A game of one player (no turn key): three binary moves; only the path 1, 0, 1 scores 1, any other -1."""
+
+    GOAL = (1, 0, 1)
+
+    def reset(self) -> TensorDictBase:
+        return TensorDict(path=torch.tensor([-1, -1, -1]), mask=torch.tensor([True, True]))
+
+    def step(self, td: TensorDictBase) -> TensorDictBase:
+        path = td["path"].clone()
+        depth = int((path >= 0).sum())
+        path[depth] = int(td["action"])
+        done = depth == 2
+        reward = (1.0 if tuple(path.tolist()) == self.GOAL else -1.0) if done else 0.0
+        nxt = TensorDict(path=path, mask=torch.tensor([not done] * 2), done=torch.tensor([done]))
+        return td.set("next", nxt.set("reward", torch.tensor([reward])))
+
+
+@pytest.mark.parametrize("searchers", [1, 4])
+def test_a_game_of_one_player_without_a_turn_key_finds_its_scoring_path(searchers):
+    def uniform(td):
+        return td.set("logits", torch.zeros(*td.batch_size, 2)).set("value", torch.zeros(*td.batch_size, 1))
+
+    env = Puzzle()
+    search = TreeSearch(
+        env,
+        uniform,
+        searchers=searchers,
+        observation_keys=["path"],
+        state_keys=["path", "mask"],
+        turn_key=None,
+        reward_key="reward",
+    )
+    tree, played = search.tree(env.reset()), []
+    for _ in range(3):
+        out = search.run(tree, 100, temperature=0)
+        played.append(int(out["action"]))
+        if len(played) == 1:
+            assert float(out["value"]) > 0.5  # the player's own win, never its sign flipped as an opponent's
+        if len(played) < 3:
+            tree = search.advance(tree, played[-1])
+    assert tuple(played) == Puzzle.GOAL
+    search.close()
+
+
 @pytest.mark.parametrize("searchers", [1, 8])
 def test_a_policy_that_raises_mid_search_ends_it_with_a_typed_error(searchers):
     env = TicTacToeEnv()

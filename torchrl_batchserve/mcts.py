@@ -156,9 +156,10 @@ class TreeSearch:
             the policy writes logits and value, and where the state holds the
             action mask and the player to move, and the step its done flag.
             Defaults ``"logits"``, ``"value"``, ``"mask"``, ``"turn"``, ``"done"``.
+            ``turn_key=None``: a game of one player (a puzzle), always to move.
         reward_key: the mover's reward in the step's ``"next"``; ``"{turn}"``
-            in its strings becomes the mover's turn. Default
-            ``("player{turn}", "reward")``.
+            in its strings becomes the mover's turn (0 for one player). Default
+            ``("player{turn}", "reward")``; for one player, often ``"reward"``.
         dirichlet_alpha (float): AlphaZero's exploration noise at the
             root for runs with ``noise=True``. Default 1.0.
         dirichlet_eps (float): the weight of that noise. Default 0.25.
@@ -199,7 +200,7 @@ class TreeSearch:
         prior_key: NestedKey = "logits",
         value_key: NestedKey = "value",
         mask_key: NestedKey = "mask",
-        turn_key: NestedKey = "turn",
+        turn_key: NestedKey | None = "turn",
         done_key: NestedKey = "done",
         reward_key: NestedKey = ("player{turn}", "reward"),
         dirichlet_alpha: float = 1.0,
@@ -259,7 +260,8 @@ class TreeSearch:
             return Tree(self._child(tree.root, int(action)))
 
     def _node(self, state: TensorDictBase) -> Node:
-        return Node(state, state[self.mask_key].reshape(-1).bool().tolist(), turn=int(state[self.turn_key]))
+        turn = 0 if self.turn_key is None else int(state[self.turn_key])
+        return Node(state, state[self.mask_key].reshape(-1).bool().tolist(), turn=turn)
 
     def _child(self, node: Node, action: int) -> Node:
         child = node.children.get(action)
