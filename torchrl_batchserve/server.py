@@ -470,7 +470,8 @@ class BatchedPolicyServer(TensorDictModule):
         # that says so (chained), and silently drop any other one from a worker's start.
         raise TypeError(
             "cannot pickle or copy a BatchedPolicyServer; give worker processes (e.g. MultiSyncCollector) "
-            "server.remote_policy() as their policy: it pickles, and reaches this server from there"
+            "server.remote_policy() as their policy (policy=, not a policy_factory): it pickles, and reaches this "
+            "server from there"
         )
 
     def __repr__(self) -> str:
