@@ -48,7 +48,10 @@ class ServerStatistics:
     seconds since then (``requests / uptime`` is the rate over that span; with
     a cache, of the requests computed: hits answered at submit are
     ``cache_hits``).
-    ``uptime`` stops when the server has closed. ``as_dict()`` is flat,
+    ``uptime`` stops when the server has closed. ``policy_version`` is the
+    latest version pushed; ``weight_updates`` counts the versions swapped in
+    (by the first replica, at a batch): one pushed while a newer one waits is
+    never served, nor counted. ``as_dict()`` is flat,
     for loggers (:func:`log_statistics`); ``dataclasses.asdict`` works too.
 
     Examples:
