@@ -27,6 +27,7 @@ from tensordict.nn import InteractionType, TensorDictModule, set_interaction_typ
 from torch import nn
 
 from torchrl_batchserve import BatchedPolicyServer, ServerBrokenError, ServerClosedError, WeightSyncError
+from torchrl_batchserve.transport import client as client_module
 from torchrl_batchserve.transport import hub as hub_module
 from torchrl_batchserve.transport.client import ProcessClient
 from torchrl_batchserve.transport.hub import ProcessHub, _Client
@@ -445,6 +446,32 @@ def test_a_worker_that_finds_the_hubs_backlog_full_waits_for_room_instead_of_giv
         monkeypatch.setattr(socket.socket, "connect", connect)
         assert remote(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)
         assert full["refusals"] == 0
+
+
+def test_a_worker_that_a_live_hub_admits_too_slowly_connects_again_instead_of_finding_it_closed(policy, monkeypatch):
+    # Thousands of copies connecting at once (64 workers of 64 threads, each unpickling its own) kept the hub from
+    # admitting some within the handshake's bound: those copies found the server "closed or gone" for good.
+    monkeypatch.setattr(client_module, "HANDSHAKE_TIMEOUT", 0.2)
+    admit, release, held = ProcessHub._handshake, threading.Event(), []
+
+    def slowly(hub, sock):
+        if not held:
+            held.append(sock)
+            release.wait(10)  # the first connection is answered after the client's bound
+        admit(hub, sock)
+
+    monkeypatch.setattr(ProcessHub, "_handshake", slowly)
+    with BatchedPolicyServer(policy) as server:
+        remote = pickle.loads(pickle.dumps(server.remote_policy()))  # a client of the hub, as in a worker
+        try:
+            out = remote(TensorDict(observation=torch.ones(8)))
+        finally:
+            release.set()
+        again = remote(TensorDict(observation=torch.zeros(8)))
+    assert len(held) == 1  # it was held, and the copy connected anew
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], policy.module(torch.ones(8)))
+        torch.testing.assert_close(again["logits"], policy.module(torch.zeros(8)))
 
 
 def test_a_temporary_folder_too_deep_for_a_unix_socket_leaves_the_hubs_socket_in_tmp(policy, tmp_path, monkeypatch):
