@@ -405,7 +405,13 @@ class ProcessHub:
             if self._closed:
                 sock.close()
                 return
-            threading.Thread(target=self._handshake, args=(sock,), name="batchserve-hub-handshake", daemon=True).start()
+            handshake = threading.Thread(
+                target=self._handshake, args=(sock,), name="batchserve-hub-handshake", daemon=True
+            )
+            try:
+                handshake.start()
+            except RuntimeError:  # no thread to be had (a container's process limit): admit it here
+                self._handshake(sock)
 
     def _handshake(self, sock: socket.socket) -> None:
         """Admit ``sock`` if it sends the key within ``HANDSHAKE_TIMEOUT``; else drop it."""
