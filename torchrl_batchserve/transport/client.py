@@ -128,11 +128,9 @@ class ProcessClient:
                     raise ServerBrokenError(f"the server at {self.address} serves no worker processes: its hub failed")
                 if answer != ADMITTED:
                     raise OSError("the hub refused the connection")
-                conn = Wire(sock)
-                sock.settimeout(HANDSHAKE_TIMEOUT)  # the bells come at once; a hub that hangs is gone
+                conn = Wire(sock)  # blocking: a hub that admitted it sends the bells at once, or hangs up
                 if conn.recv() != ("bells",):
                     raise OSError("the hub sent no bells")
-                sock.settimeout(None)
                 self._headers = Headers.attach(conn.take_fd())
                 self._bells = conn.take_fd(), conn.take_fd()
                 # the socket and the bells go with the client
