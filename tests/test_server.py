@@ -1009,6 +1009,34 @@ def test_a_policy_whose_batch_norm_or_dropout_is_in_training_mode_is_served_with
         torch.testing.assert_close(td["logits"], net(td["observation"].unsqueeze(0))[0])
 
 
+class Moded(torch.nn.Module):
+    """Its output says the mode it ran in: the input, plus 1 in training mode (as dropout or NoisyLinear differ)."""
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return observation[..., :3] + float(self.training)
+
+
+@pytest.mark.parametrize("device", [None, ["cpu", "cpu"]])  # a lone caller's batches, or two replicas'
+def test_server_eval_and_train_switch_the_served_copies_from_the_next_batch_and_leave_the_trainers_module(device):
+    # Before, server.eval() went on to the module the server was built with (the trainer's) and served on unchanged.
+    policy = TensorDictModule(Moded(), in_keys=["observation"], out_keys=["logits"]).eval()
+    with BatchedPolicyServer(policy, device=device) as server:
+        remote, worker = server.remote_policy(), pickle.loads(pickle.dumps(server.remote_policy()))
+        modes = [server.training]
+        for switch in (server.train, server.eval, server.train):
+            switch()
+            modes.append(server.training)
+            for out in [remote(obs()) for _ in range(4)] + [worker(obs(3))]:
+                torch.testing.assert_close(out["logits"], out["observation"][..., :3] + float(server.training))
+        remote.eval()  # a RemotePolicy's mode is its own: nothing served changes
+        out = remote(obs())
+        torch.testing.assert_close(out["logits"], out["observation"][..., :3] + 1.0)
+        with pytest.raises(ValueError, match="mode must be a bool"):
+            server.train("eval")
+    assert modes == [False, True, False, True]
+    assert not policy.training and not policy.module.training  # the trainer's module kept its mode
+
+
 def test_a_policy_with_uninitialized_lazy_weights_is_refused_naming_them():
     # Before, torch's bare error from deep inside the copy; a served copy would also initialize on its own.
     from torchrl.modules import MLP

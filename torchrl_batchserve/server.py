@@ -128,7 +128,7 @@ def _warn_if_training(policy: nn.Module) -> None:
         if training:
             warnings.warn(
                 f"the policy's {kind} {training} are in training mode: {effect}. The server serves its copy in the "
-                "mode the policy has when the server is built: call policy.eval() first",
+                "mode the policy has when the server is built: call policy.eval() first, or server.eval()",
                 UserWarning,
                 stacklevel=3,
             )
@@ -385,6 +385,7 @@ class BatchedPolicyServer(TensorDictModule):
             cache.serve()  # and takes no cache
 
         super().__init__(policy, in_keys=in_keys, out_keys=out_keys)
+        self.training = policy.training  # the mode served (``train()``), as the copies were made
         self.max_batch_size = max_batch_size
         self.timeout = timeout
         self.max_queue_size = max_queue_size
@@ -445,6 +446,20 @@ class BatchedPolicyServer(TensorDictModule):
     def forward(self, tensordict: TensorDictBase, *args: Any, **kwargs: Any) -> TensorDictBase:
         """Serve ``tensordict`` batched, as ``server.remote_policy()(tensordict)`` does."""
         return self._endpoint.call(tensordict)
+
+    def train(self, mode: bool = True) -> BatchedPolicyServer:
+        """Serve in training mode (``False``, as ``eval()``: eval mode) from each replica's next batch on.
+
+        It sets the served copies' mode (dropout, batch norms, TorchRL's
+        ``NoisyLinear``); the module the server was built with, the trainer's,
+        keeps its own. A ``RemotePolicy``'s ``eval()`` changes nothing served.
+        """
+        if not isinstance(mode, bool):
+            raise ValueError(f"mode must be a bool (got {mode!r})")
+        self.training = mode
+        for replica in self._replicas:
+            replica.mode = mode
+        return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> BatchedPolicyServer:
         """Refuse ``to``, ``cuda``, ``double`` and the like: they would change the trainer's module, not the served."""
