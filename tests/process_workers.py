@@ -269,3 +269,21 @@ def one_call(remote: Any, results: Any) -> None:
     """One call (a worker's first travels pickled, and so does its reply); reports the logits' shape and sum."""
     logits = remote(TensorDict(observation=torch.ones(8)))["logits"]
     results.put((tuple(logits.shape), float(logits.sum())))
+
+
+def call_at_the_open_file_limit(remote: Any, results: Any) -> None:
+    """Connects, then calls at this process's open-file limit (a new lane's descriptor cannot come); the outcome."""
+    import resource
+
+    remote(TensorDict(observation=torch.ones(8)))  # connected, with a lane of one row
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # no new descriptor (they take the lowest)
+    try:
+        remote(TensorDict(observation=torch.ones(3, 8), batch_size=[3]))  # three rows: the hub offers a lane
+        outcome = (None, None)
+    except BatchServeError as err:
+        outcome = (type(err).__name__, str(err))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    results.put(outcome)

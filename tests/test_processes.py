@@ -498,6 +498,15 @@ def test_a_hub_that_cannot_start_a_handshake_thread_admits_the_worker_itself(pol
             torch.testing.assert_close(out["logits"], policy.module(x))
 
 
+def test_a_worker_at_its_open_file_limit_is_told_so_when_a_lane_cannot_reach_it(policy):
+    # Before, it was told "a message announced a descriptor that did not come", as if the server had broken.
+    with BatchedPolicyServer(policy) as server:
+        outs = run_workers(SPAWN, pw.call_at_the_open_file_limit, [(server.remote_policy(),)])
+        assert server.remote_policy()(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)  # serves on
+    name, message = outs[0]
+    assert name == "ServerBrokenError" and "open-file limit (ulimit -n)" in message
+
+
 def test_a_temporary_folder_too_deep_for_a_unix_socket_leaves_the_hubs_socket_in_tmp(policy, tmp_path, monkeypatch):
     deep = tmp_path / ("d" * 100)  # a cluster job's TMPDIR may be this long
     deep.mkdir()

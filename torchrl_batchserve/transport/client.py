@@ -22,6 +22,7 @@ callbacks may call the client again.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import pickle
 import select
@@ -283,7 +284,11 @@ class ProcessClient:
                 try:
                     messages = conn.read() if any(fd != bell for fd, _ in events) else []
                 except (EOFError, OSError) as err:
-                    failure = ServerBrokenError("the server's process ended while this request was in flight")
+                    failure = ServerBrokenError(
+                        f"this process cannot take the server's replies: {err.strerror}"
+                        if isinstance(err, OSError) and err.errno == errno.EMFILE  # (Wire.read)
+                        else "the server's process ended while this request was in flight"
+                    )
                     failure.__cause__ = err
                     with self._cond:
                         self._fail(failure)

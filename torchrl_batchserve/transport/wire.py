@@ -19,6 +19,7 @@ sleep again; ``poll`` filters by event.
 from __future__ import annotations
 
 import array
+import errno
 import io
 import os
 import pickle
@@ -139,14 +140,21 @@ class Wire:
     def read(self) -> list[Any]:
         """Read once (blocks only if nothing has arrived); return the messages completed.
 
-        Raises ``EOFError`` when the peer closed its end or died. A frame
-        that does not unpickle raises its error; the frames after it stay.
+        Raises ``EOFError`` when the peer closed its end or died, and
+        ``OSError`` (``EMFILE``) when descriptors sent were dropped: this
+        process is at its open-file limit. A frame that does not unpickle
+        raises its error; the frames after it stay.
         """
         if self.receives_fds:
-            data, ancdata, _, _ = self.sock.recvmsg(_CHUNK, _FDS)
+            data, ancdata, flags, _ = self.sock.recvmsg(_CHUNK, _FDS)
             for level, kind, fds in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     self._fds.extend(array.array("i", fds[: len(fds) - len(fds) % 4]))
+            if flags & socket.MSG_CTRUNC:  # the kernel could not give this process the descriptors sent
+                raise OSError(
+                    errno.EMFILE,
+                    "descriptors the server sent were dropped: this process is at its open-file limit (ulimit -n)",
+                )
         else:
             data = self.sock.recv(_CHUNK)
         if not data:
