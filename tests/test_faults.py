@@ -44,6 +44,27 @@ def client_of(server):
     return pickle.loads(pickle.dumps(server.remote_policy()))
 
 
+def test_a_reply_the_client_cannot_take_fails_the_caller_reading_it_with_the_typed_error_as_every_other(
+    monkeypatch,
+):
+    # Before, the caller whose thread was reading got the raw exception; the others a ServerBrokenError.
+    from torchrl_batchserve.transport.client import ProcessClient
+
+    with BatchedPolicyServer(TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])) as server:
+        client = client_of(server)
+        client(obs())
+
+        def a_bug(self, conn, message):
+            raise RuntimeError("a bug in taking a message")
+
+        monkeypatch.setattr(ProcessClient, "_dispatch", a_bug)
+        with pytest.raises(ServerBrokenError, match="reading the server's replies failed") as caught:
+            client(obs(3))  # three rows fit no lane: pickled, its reply a message
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        with pytest.raises(ServerBrokenError, match="reading the server's replies failed"):
+            client(obs())  # later calls: the same class
+
+
 def test_an_interrupted_worker_call_never_shifts_the_replies_of_later_calls():
     gated = GatedPolicy(make_mlp(), block_first=1)
     with BatchedPolicyServer(gated, timeout=0.001) as server:

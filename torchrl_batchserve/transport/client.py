@@ -300,9 +300,10 @@ class ProcessClient:
                     settled, self._settled = self._settled, []
                 self._settle(settled)
         except Exception as err:  # not a caller's interruption: nobody could read on
+            failure = ServerBrokenError(f"reading the server's replies failed: {err!r}")
             with self._cond:
-                self._fail(ServerBrokenError(f"reading the server's replies failed: {err!r}"))
-            raise
+                self._fail(failure)
+            raise own_copy(failure) from err  # to a caller that was reading, as to every other
         finally:
             with self._cond:
                 self._reading = False
