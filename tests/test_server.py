@@ -32,6 +32,7 @@ from tensordict.nn.probabilistic import interaction_type
 from torchrl_batchserve import (
     BadRequestError,
     BatchedPolicyServer,
+    EvaluationCache,
     LengthCost,
     PolicyError,
     QueueFullError,
@@ -1035,6 +1036,21 @@ def test_server_eval_and_train_switch_the_served_copies_from_the_next_batch_and_
             server.train("eval")
     assert modes == [False, True, False, True]
     assert not policy.training and not policy.module.training  # the trainer's module kept its mode
+
+
+def test_the_cache_never_answers_in_one_mode_with_an_evaluation_computed_in_the_other():
+    policy = TensorDictModule(Moded(), in_keys=["observation"], out_keys=["logits"]).eval()
+    row = obs()
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        outs = [remote(row.clone())]  # computed in eval mode, and kept
+        for switch in (server.train, server.eval, server.eval):
+            switch()
+            outs.append(remote(row.clone()))  # the same row: computed again in the other mode, then a hit
+        stats = server.statistics()
+    for out, trained in zip(outs, [0.0, 1.0, 0.0, 0.0]):
+        torch.testing.assert_close(out["logits"], row["observation"][:3] + trained)
+    assert (stats.cache_misses, stats.cache_hits) == (3, 1)
 
 
 def test_a_policy_with_uninitialized_lazy_weights_is_refused_naming_them():

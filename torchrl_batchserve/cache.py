@@ -4,15 +4,16 @@ MCTS evaluates the same positions again and again: transpositions, re-visited
 leaves, the same opening in many games. The cache keys each row (a user
 ``key_fn``, e.g. a board hash the env already writes, or by default a digest
 of the bytes of the policy's inputs) and keeps the outputs the policy computed
-for it, tagged with the weight version that computed them:
+for it, tagged with what computed them: the weight version and the training
+mode (``server.train()``):
 
 * a hit is answered at submit, without entering a batch, and only when its
-  version is the newest the server has been given: a weight update never
-  serves a stale evaluation and needs no flush;
+  tag is the newest version in the mode served now: a weight update or a
+  mode switch never serves a stale evaluation and needs no flush;
 * identical single rows already queued or in flight share one computed row
   (coalescing): the first is the *leader*, the others wait on it; a row
-  joins a leader only if no weights were staged since the leader was
-  admitted, so a request never gets a version older than the newest one
+  joins a leader only if no weights (nor mode) were staged since the leader
+  was admitted, so a request never gets a version older than the newest one
   staged before it was submitted;
 * memory is bounded: least recently used entries go first;
 * a request that samples bypasses the cache: it is never answered with,
@@ -160,9 +161,9 @@ class EvaluationCache:
         self.capacity = capacity
         self.key_fn = key_fn
         self._lock = threading.Lock()
-        # key -> (version, the row's outputs, on CUDA an event after their copies)
-        self._entries: OrderedDict[Hashable, tuple[int, tuple[Any, ...], torch.cuda.Event | None]] = OrderedDict()
-        self._leaders: dict[Hashable, tuple[Request, int]] = {}  # key -> (leader, version staged at its admission)
+        # key -> (tag: version and mode, the row's outputs, on CUDA an event after their copies)
+        self._entries: OrderedDict[Hashable, tuple[Hashable, tuple[Any, ...], torch.cuda.Event | None]] = OrderedDict()
+        self._leaders: dict[Hashable, tuple[Request, Hashable]] = {}  # key -> (leader, tag at its admission)
         self._followers: dict[int, list[Request]] = {}  # id(leader) -> followers
         self.hits = self.misses = self.coalesced = 0
         self._served = False
@@ -207,24 +208,25 @@ class EvaluationCache:
             raise BadRequestError(f"key_fn must return a hashable key, got {type(key).__name__}: {key!r}") from None
         return key
 
-    def admit(self, request: Request, version: int) -> tuple[str, Sequence[Any] | None]:
+    def admit(self, request: Request, served: Hashable) -> tuple[str, Sequence[Any] | None]:
         """At submit: ``(HIT, values)``, ``(JOINED, None)`` or ``(LEAD, None)``.
 
         On ``HIT`` the values are this request's outputs (its rows stacked);
         on ``JOINED`` the request waits for an identical one already queued or
         in flight; on ``LEAD`` it must be computed (and is now the row others
-        with its key join).
+        with its key join). ``served``: the tag of what serves now
+        (``ShadowWeights.serving``).
         """
         if torch.is_inference_mode_enabled():  # a hit's copies are normal tensors, as a computed result is
             with torch.inference_mode(False):
-                return self.admit(request, version)
+                return self.admit(request, served)
         keys = self.keys_of(request)
         request.cache_keys = keys
         with self._lock:
             found = []
             for key in keys:
                 entry = self._entries.get(key)
-                if entry is None or entry[0] != version:
+                if entry is None or entry[0] != served:
                     break
                 found.append(entry)
             if len(found) == len(keys):
@@ -237,18 +239,18 @@ class EvaluationCache:
                 return HIT, [_stack(column, request.batch_shape) for column in zip(*(e[1] for e in found))]
             if not request.batch_shape:
                 lead = self._leaders.get(keys[0])
-                if lead is not None and lead[1] == version:
+                if lead is not None and lead[1] == served:
                     self._followers.setdefault(id(lead[0]), []).append(request)
                     self.coalesced += 1
                     return JOINED, None
-                self._leaders[keys[0]] = (request, version)
+                self._leaders[keys[0]] = (request, served)
             self.misses += 1
             return LEAD, None
 
     def complete(
-        self, requests: Sequence[Request], columns: Sequence[Sequence[Any]], version: int
+        self, requests: Sequence[Request], columns: Sequence[Sequence[Any]], served: Hashable
     ) -> tuple[list[Request], list[Sequence[Any]]]:
-        """After a batch: store each request's rows; return the followers and their values.
+        """After a batch: store each request's rows, tagged ``served``; return the followers and their values.
 
         The copies are queued on the current stream; on CUDA, the entries
         keep an event after them, which a hit's stream waits for.
@@ -272,7 +274,7 @@ class EvaluationCache:
                     stored.extend((key, tuple(_clone(f[i]) for f in flat)) for i, key in enumerate(keys))
             ready = _made(stored)  # before any hit can find them
             for key, kept in stored:
-                self._store(key, (version, kept, ready))
+                self._store(key, (served, kept, ready))
         return followers, values
 
     def promote(self, leader: Request) -> Request | None:
@@ -307,7 +309,7 @@ class EvaluationCache:
             del self._leaders[key]
         return self._followers.pop(id(leader), [])
 
-    def _store(self, key: Hashable, entry: tuple[int, tuple[Any, ...], torch.cuda.Event | None]) -> None:
+    def _store(self, key: Hashable, entry: tuple[Hashable, tuple[Any, ...], torch.cuda.Event | None]) -> None:
         entries = self._entries
         entries[key] = entry
         entries.move_to_end(key)
@@ -331,7 +333,7 @@ def _made(stored: list[tuple[Hashable, tuple[Any, ...]]]) -> torch.cuda.Event | 
     return ready
 
 
-def _read_after(entries: list[tuple[int, tuple[Any, ...], torch.cuda.Event | None]]) -> None:
+def _read_after(entries: list[tuple[Hashable, tuple[Any, ...], torch.cuda.Event | None]]) -> None:
     """Queue the current stream after the copies of ``entries``, which a hit copies on it (CUDA only).
 
     Their memory is marked as read there, so that an entry dropped

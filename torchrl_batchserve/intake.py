@@ -103,7 +103,7 @@ class Intake:
         cache = self._cache
         if cache is None or request.interaction in self._sampling:  # a sample is drawn anew each call
             return self.queue.put(request, may_serve)
-        outcome, values = cache.admit(request, self._weights.latest_version)
+        outcome, values = cache.admit(request, self._weights.serving)
         if outcome == HIT:
             request.finish(self._delivered, values)  # type: ignore[arg-type]
             return None

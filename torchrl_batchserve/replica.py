@@ -102,8 +102,7 @@ class Replica:
         self.version = 0
         self.batches = 0
         self.rows = 0
-        self.mode: bool | None = None  # the training mode to serve in (server.train()); None: as copied
-        self._mode: bool | None = None  # the one set on ``module``
+        self.mode: bool | None = None  # the training mode set on ``module`` (server.train()); None: as copied
         self._weights = weights
         self._params = TensorDict.from_module(module)
         self._stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
@@ -124,10 +123,10 @@ class Replica:
 
     def refresh(self) -> None:
         """Serve the newest staged weights and training mode from this batch on (called between two batches)."""
-        mode = self.mode
-        if mode is not None and mode is not self._mode:
+        mode = self._weights.mode
+        if mode is not None and mode is not self.mode:
             self.module.train(mode)
-            self._mode = mode
+            self.mode = mode
         snapshot = self._weights.latest()
         if snapshot.version == self.version or snapshot.tensors is None:
             return

@@ -456,9 +456,7 @@ class BatchedPolicyServer(TensorDictModule):
         """
         if not isinstance(mode, bool):
             raise ValueError(f"mode must be a bool (got {mode!r})")
-        self.training = mode
-        for replica in self._replicas:
-            replica.mode = mode
+        self.training = self._weights.mode = mode
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> BatchedPolicyServer:

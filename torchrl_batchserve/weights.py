@@ -88,6 +88,7 @@ class ShadowWeights:
         self.optional = frozenset(optional)
         self._lock = threading.Lock()
         self._latest = Snapshot(0, None)
+        self.mode: bool | None = None  # the training mode to serve in (``server.train()``); None: as copied
 
     @property
     def served(self) -> TensorDictBase:
@@ -98,6 +99,11 @@ class ShadowWeights:
     def latest_version(self) -> int:
         """The version of the newest weights staged (0: the ones the server was built with)."""
         return self._latest.version
+
+    @property
+    def serving(self) -> tuple[int, bool | None]:
+        """What a batch started now computes with: the newest version and the mode (the cache's tag)."""
+        return self._latest.version, self.mode
 
     def latest(self) -> Snapshot:
         """The newest staged snapshot."""
