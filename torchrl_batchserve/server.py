@@ -448,7 +448,7 @@ class BatchedPolicyServer(TensorDictModule):
         return self._endpoint.call(tensordict)
 
     def train(self, mode: bool = True) -> BatchedPolicyServer:
-        """Serve in training mode (``False``, as ``eval()``: eval mode) from each replica's next batch on.
+        """Serve in training mode, or in eval mode with ``mode=False`` (``eval()``), from each replica's next batch on.
 
         It sets the served copies' mode (dropout, batch norms, TorchRL's
         ``NoisyLinear``); the module the server was built with, the trainer's,
