@@ -138,11 +138,12 @@ class ProcessClient:
                 self._release = weakref.finalize(self, _close_connection, self._bells, conn)
             except (OSError, EOFError) as err:
                 (sock if conn is None else conn).close()  # the wire closes descriptors it received, not taken
-                hub = _hub_state(self.address)
-                if hub == "listening" and isinstance(err, (TimeoutError, BlockingIOError)):
-                    continue  # alive, slow to admit (thousands of copies connecting at once): again
+                if isinstance(err, (TimeoutError, BlockingIOError)):
+                    # It listens (a dead hub refuses, a closed one resets): slow to admit, with thousands of
+                    # copies connecting at once. Again.
+                    continue
                 self._closed = True
-                if hub == "dead":
+                if _died(self.address):
                     self._failure = ServerBrokenError(f"the server at {self.address} is gone: its process ended")
                     raise own_copy(self._failure) from err
                 where = (  # no such socket here: closed, or this copy travelled to another host
@@ -486,26 +487,23 @@ def _connect(sock: socket.socket, address: str) -> None:
             time.sleep(0.001)
 
 
-def _hub_state(address: str) -> str:
-    """Whether the hub at ``address``, which a connection just failed to reach, is ``listening``, ``dead`` or ``gone``.
+def _died(address: str) -> bool:
+    """Whether the hub at ``address``, which a connection just failed to reach, died.
 
     A hub that dies leaves its socket file with nobody listening (a refused
     connection); one that closes removes the file first. Asked once more, the
-    file tells which, however the connection failed (refused, cut or timed
-    out during the handshake). A full backlog or a timeout is a hub that
-    listens, slowly.
+    file tells which, however the connection failed (refused, or cut during
+    the handshake).
     """
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.settimeout(HANDSHAKE_TIMEOUT)
             probe.connect(address)
     except ConnectionRefusedError:
-        return "dead"
-    except (BlockingIOError, TimeoutError):
-        return "listening"
+        return True
     except OSError:  # no file (it closed), or a failure that says nothing
-        return "gone"
-    return "listening"
+        return False
+    return False  # it listens: alive
 
 
 def _close_connection(bells: tuple[int, ...], conn: Wire) -> None:
