@@ -121,6 +121,11 @@ class Replica:
         with torch.cuda.stream(self._stream):
             yield
 
+    @property
+    def serving(self) -> tuple[int, bool | None]:
+        """What its batches compute with: its version and mode (the cache's tag, as ``ShadowWeights.serving``)."""
+        return self.version, self.mode
+
     def refresh(self) -> None:
         """Serve the newest staged weights and training mode from this batch on (called between two batches)."""
         mode = self._weights.mode

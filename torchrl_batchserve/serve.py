@@ -438,7 +438,7 @@ class Serving:
         for group, columns, error in outcomes:
             if error is None:
                 with replica.on_stream():
-                    waiting, rows = self.cache.complete(group, columns, (replica.version, replica.mode))
+                    waiting, rows = self.cache.complete(group, columns, replica.serving)
                 if waiting:
                     replica.hand_out(tensors(v for row in rows for v in row))
                     out.append((waiting, list(zip(*rows)), None))
