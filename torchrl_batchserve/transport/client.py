@@ -138,7 +138,7 @@ class ProcessClient:
                 self._release = weakref.finalize(self, _close_connection, self._bells, conn)
             except (OSError, EOFError) as err:
                 (sock if conn is None else conn).close()  # the wire closes descriptors it received, not taken
-                if isinstance(err, (TimeoutError, BlockingIOError)):
+                if isinstance(err, TimeoutError):
                     # It listens (a dead hub refuses, a closed one resets): slow to admit, with thousands of
                     # copies connecting at once. Again.
                     continue
@@ -472,18 +472,15 @@ def _connect(sock: socket.socket, address: str) -> None:
     """Connect ``sock`` (which has a timeout) to the hub, waiting for room in its backlog.
 
     A Unix socket with a timeout is refused at once (``EAGAIN``) while the
-    listener's backlog of connections not yet accepted is full (hundreds of
+    listener's backlog of connections not yet accepted is full (thousands of
     workers connecting at once), where a blocking one would wait: so try
-    again, for up to ``HANDSHAKE_TIMEOUT``.
+    again. A full backlog is a hub that listens; one that died refuses.
     """
-    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
     while True:
         try:
             sock.connect(address)
             return
         except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise
             time.sleep(0.001)
 
 
