@@ -238,15 +238,15 @@ class Actor:
                 out.append((type(err).__name__, str(err)))
         return out
 
-    def until_error(self, seconds: float) -> tuple[str, float]:
-        """Call until a call fails; the error's class and when it came."""
+    def until_error(self, seconds: float) -> tuple[str, float, str]:
+        """Call until a call fails; the error's class, when it came, and its message."""
         deadline = time.time() + seconds
         while time.time() < deadline:
             try:
                 self.remote(TensorDict(obs=torch.ones(4)))
             except Exception as err:  # the class is what the test checks
-                return type(err).__name__, time.time()
-        return "none", time.time()
+                return type(err).__name__, time.time(), str(err)
+        return "none", time.time(), ""
 
     def collect(self, frames: int) -> tuple[int, list[int]]:
         from torchrl.collectors import Collector
@@ -764,9 +764,9 @@ def test_closing_a_ray_server_tells_its_actors_on_every_node_that_it_closed(clus
             push_weights(servers, factory())
     assert not handle.closed
     assert handle.close() and handle.close()  # the second returns what the first did
-    assert [name for name, _ in ray.get(running, timeout=120)] == ["ServerClosedError"] * 3
+    assert [name for name, _, _ in ray.get(running, timeout=120)] == ["ServerClosedError"] * 3
     # and so is every later call, though the server actor is gone by now
-    assert [name for name, _ in ray.get([a.until_error.remote(30) for a in actors])] == ["ServerClosedError"] * 3
+    assert [name for name, _, _ in ray.get([a.until_error.remote(30) for a in actors])] == ["ServerClosedError"] * 3
     for use in (lambda: handle.update_weights(factory()), handle.statistics, handle.gateway_statistics):
         with pytest.raises(ServerClosedError, match=r"the server is closed \(this handle closed it\)"):
             use()  # not Ray's ActorDiedError
@@ -781,8 +781,8 @@ def test_a_dead_server_actor_fails_every_waiting_actor_promptly(cluster):
         time.sleep(0.05)
     killed = time.time()
     ray.kill(handle.actor, no_restart=True)
-    for name, when in ray.get(running, timeout=120):
-        assert name == "ServerBrokenError"
+    for name, when, message in ray.get(running, timeout=120):
+        assert name == "ServerBrokenError", message
         assert when - killed < 30
     with pytest.raises(ServerBrokenError):
         handle.remote_policy()(TensorDict(obs=torch.ones(4)))
@@ -796,7 +796,7 @@ def test_a_restarted_server_is_found_again_and_serves_after_the_next_push(cluste
         assert handle.update_weights(pushed) == 1
         assert {v for _, _, v in ray.get(actor.calls.remote(3))} == {1}
         ray.kill(handle.actor, no_restart=False)  # Ray restarts it from the factory
-        name, _ = ray.get(actor.until_error.remote(60))
+        name, _, _ = ray.get(actor.until_error.remote(60))
         assert name == "ServerBrokenError"  # its gateway went with the old server
         with pytest.raises(ServerBrokenError, match="restarted"):
             remote(TensorDict(obs=torch.ones(4)))  # the factory's weights are not served
