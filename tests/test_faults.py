@@ -625,6 +625,21 @@ def test_a_policy_raising_a_base_exception_breaks_the_server_and_every_caller_le
     assert server.close(timeout=10) is True
 
 
+def test_a_broken_server_once_closed_is_still_broken_to_a_worker_process_as_to_a_thread():
+    # A worker's client idle while the server broke heard "closed" when it closed, and said so from then on,
+    # where a thread of the server's process is told the server is broken.
+    server = BatchedPolicyServer(Raises(lambda: SystemExit("the policy called sys.exit")))
+    remote = server.remote_policy()
+    worker = pickle.loads(pickle.dumps(remote))  # a client of the hub, as in a worker process
+    worker._endpoint._connection()  # connected, nothing in flight
+    with pytest.raises(ServerBrokenError):
+        remote(obs())
+    assert server.close(timeout=10) is True
+    for caller in (remote, worker):
+        with pytest.raises(ServerBrokenError, match="SystemExit"):
+            caller(obs())
+
+
 class InterruptedOnMarker(TensorDictModuleBase):
     """Raises KeyboardInterrupt (a Ctrl-C landing in the forward) for an observation starting with 1000."""
 

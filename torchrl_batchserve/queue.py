@@ -113,6 +113,11 @@ class RequestQueue:
         return self._closed
 
     @property
+    def broken(self) -> BaseException | None:
+        """What broke the server (see :meth:`break_`); ``None`` while it is not broken."""
+        return self._broken
+
+    @property
     def timeout(self) -> float:
         return self._timeout
 

@@ -59,8 +59,9 @@ Messages (pickled tuples, framed by :mod:`~torchrl_batchserve.transport.wire`):
   slot; ``("done", seq, outcome, out)``, where ``outcome`` is ``(error,
   values, keys)`` pickled on its own (a worker that cannot read it fails that
   request alone), or ``None`` when the outputs are in the lane, and ``out`` is
-  ``(fields, capacity, size)`` when a new output slot comes with it; ``("closed",)``;
-  ``("broken", reason)`` if the reader died (a bug), then end-of-file.
+  ``(fields, capacity, size)`` when a new output slot comes with it; ``("closed",)``,
+  or ``("broken", reason)`` if the reader died (a bug) or the server had broken
+  when the hub closed; then end-of-file.
 
 ``seq`` numbers a client's requests: each reply goes to the caller of its
 ``seq``, and one nobody waits for (a call interrupted by a signal) is
@@ -492,8 +493,9 @@ class ProcessHub:
                         selector.unregister(client.wire)
                         selector.unregister(client.requests_bell)
                         self._drop(client)
+            last_word = self._last_word()
             for client in list(self._clients.values()):  # closed: this thread alone releases what it reads
-                client.send(("closed",))
+                client.send(last_word)
                 self._drop(client)
         except BaseException as err:
             _log.exception("the process hub's reader died")  # only a bug gets here
@@ -660,12 +662,19 @@ class ProcessHub:
         # a file with nobody listening knows its process died (ProcessClient).
         self._finalizer()
         self._listener.close()
+        last_word = self._last_word()
         for client in pending:  # admitted, not yet read
-            client.send(("closed",))
+            client.send(last_word)
             self._drop(client)
         for thread in (self._accepter, self._reader):
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not (self._accepter.is_alive() or self._reader.is_alive())
+
+    def _last_word(self) -> tuple:
+        """What the clients hear as the hub closes: that the server closed, or that it had broken (as a thread's
+        later call says)."""
+        broken = self._intake.queue.broken
+        return ("closed",) if broken is None else ("broken", f"the server broke: {broken!r}")
 
     def _forget(self) -> None:
         """In a forked child: close every descriptor of the parent's hub, touch nothing else."""
