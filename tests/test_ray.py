@@ -788,6 +788,35 @@ def test_a_dead_server_actor_fails_every_waiting_actor_promptly(cluster):
         handle.remote_policy()(TensorDict(obs=torch.ones(4)))
 
 
+def test_a_gateway_that_ray_ends_gracefully_tells_its_actors_the_server_broke_not_that_it_closed(cluster):
+    # A dead server actor's gateways go out of scope with it. Where Ray ended one gracefully (its atexit
+    # handlers run) rather than at once, the gateway's server was abandoned, and its actors were told it
+    # closed: RayEndpoint keeps a closed server's policy for good, so a restarted server was never found.
+    from torchrl_batchserve import BatchedPolicyServer
+    from torchrl_batchserve.gateway import Gateway, LinkListener
+
+    with BatchedPolicyServer(factory(), max_batch_size=8) as server:  # the server actor's end, here
+        links = LinkListener(server, ["act", "policy_version"], "127.0.0.1")
+        try:
+            gateway = (
+                ray.remote(Gateway)
+                .options(num_cpus=0, resources=NODE_A)
+                .remote(
+                    (links.address, links.authkey), ["obs"], ["act", "policy_version"], {"policy_version_key": None}
+                )
+            )
+            remote = ray.get(gateway.remote_policy.remote())  # the node's hub: this process is on its host
+            x = observation(0, 0)
+            torch.testing.assert_close(remote(TensorDict(obs=x))["act"], reference(None, x))
+            del gateway  # out of scope: Ray ends it gracefully
+            with pytest.raises(ServerBrokenError):
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    remote(TensorDict(obs=x))
+        finally:
+            links.close()
+
+
 def test_a_restarted_server_is_found_again_and_serves_after_the_next_push(cluster):
     with served(max_restarts=1, max_batch_size=16, timeout=0.002) as handle:
         remote = handle.remote_policy()

@@ -19,6 +19,7 @@ server actor.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -73,11 +74,25 @@ HANDSHAKE_TIMEOUT = 10.0
 
 
 class Gateway:
-    """One node's gateway: a server of the node's actors whose batches go on to the server actor."""
+    """One node's gateway: a server of the node's actors whose batches go on to the server actor.
+
+    A Ray actor of its server actor's. Closed (:meth:`close`), it tells the
+    node's actors the server closed; ended any other way, that it broke.
+    """
 
     def __init__(self, link: tuple[Any, bytes], in_keys: list, out_keys: list, server_kwargs: dict[str, Any]) -> None:
         self._link = Link(*link)
         self._server = BatchedPolicyServer(LinkedPolicy(self._link, in_keys, out_keys), **server_kwargs)
+        self._closed = False
+        # Before the server's finalizer (atexit runs the last registered first), which would say it closed.
+        atexit.register(self._ended)
+
+    def _ended(self) -> None:
+        """The process exits, its atexit handlers run: Ray ended the gateway gracefully, as it does at times
+        when the server actor died or dropped it. Unless closed, go as a killed gateway does, so that the
+        node's actors hear that the server broke (RayEndpoint asks again then: a restarted server is found)."""
+        if not self._closed:
+            os._exit(1)
 
     def remote_policy(self) -> RemotePolicy:
         return self._server.remote_policy()
@@ -90,6 +105,7 @@ class Gateway:
 
     def close(self, timeout: float) -> bool:
         """Serve what is queued, then tell the node's actors the server closed (see ``_ServerActor.close``)."""
+        self._closed = True
         return self._server.close(timeout=timeout)
 
 
