@@ -817,6 +817,27 @@ def test_a_gateway_that_ray_ends_gracefully_tells_its_actors_the_server_broke_no
             links.close()
 
 
+def test_a_server_actor_ended_by_sigterm_is_broken_to_every_actor_and_found_again_once_restarted(cluster):
+    # A SIGTERM (a node drained, a container stopped) ends the server actor gracefully: its server's finalizer
+    # told the actors of its node "closed", which RayEndpoint keeps for good, so the restarted actor was
+    # never found.
+    import signal
+
+    with served(max_restarts=1, max_batch_size=16, timeout=0.002) as handle:
+        remote = handle.remote_policy()
+        actors = [Actor.options(resources=SERVER).remote(remote, 0), Actor.options(resources=NODE_A).remote(remote, 1)]
+        ray.get([a.calls.remote(1) for a in actors])
+        os.kill(ray.get(handle.actor.__ray_call__.remote(lambda self: os.getpid())), signal.SIGTERM)
+        for name, _, message in ray.get([a.until_error.remote(60) for a in actors], timeout=120):
+            assert name == "ServerBrokenError", message
+        pushed = TensorDict.from_module(factory(seed=7)).data.clone()
+        assert handle.update_weights(pushed) == 1
+        for actor in actors:
+            for x, act, version in ray.get(actor.calls.remote(3)):
+                assert version == 1
+                torch.testing.assert_close(act, reference(pushed, x))
+
+
 def test_a_restarted_server_is_found_again_and_serves_after_the_next_push(cluster):
     with served(max_restarts=1, max_batch_size=16, timeout=0.002) as handle:
         remote = handle.remote_policy()

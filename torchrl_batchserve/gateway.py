@@ -61,6 +61,7 @@ __all__ = [
     "LinkListener",
     "LinkedPolicy",
     "Unstacked",
+    "exit_as_killed_unless",
     "outcome",
     "recv",
     "send",
@@ -84,15 +85,7 @@ class Gateway:
         self._link = Link(*link)
         self._server = BatchedPolicyServer(LinkedPolicy(self._link, in_keys, out_keys), **server_kwargs)
         self._closed = False
-        # Before the server's finalizer (atexit runs the last registered first), which would say it closed.
-        atexit.register(self._ended)
-
-    def _ended(self) -> None:
-        """The process exits, its atexit handlers run: Ray ended the gateway gracefully, as it does at times
-        when the server actor died or dropped it. Unless closed, go as a killed gateway does, so that the
-        node's actors hear that the server broke (RayEndpoint asks again then: a restarted server is found)."""
-        if not self._closed:
-            os._exit(1)
+        exit_as_killed_unless(lambda: self._closed)
 
     def remote_policy(self) -> RemotePolicy:
         return self._server.remote_policy()
@@ -107,6 +100,20 @@ class Gateway:
         """Serve what is queued, then tell the node's actors the server closed (see ``_ServerActor.close``)."""
         self._closed = True
         return self._server.close(timeout=timeout)
+
+
+def exit_as_killed_unless(closed: Callable[[], bool]) -> None:
+    """As the process exits, end it at once, as a kill would, unless ``closed()``.
+
+    For a Ray actor that holds a server (the server actor, a gateway): Ray
+    ends one gracefully at times (a SIGTERM, its owner's death, a dropped
+    handle), and then the server's finalizer would tell its clients that it
+    closed, which they take for good. Ended so, they hear that it broke, and
+    ask again (a restarted server actor is found that way). Registered after
+    the server's finalizer, so it runs first (``atexit`` runs the last
+    registered first).
+    """
+    atexit.register(lambda: None if closed() else os._exit(1))
 
 
 class LinkedPolicy(TensorDictModuleBase):

@@ -33,7 +33,8 @@ and stage it in every server with one version.
 
 Faults: a gateway's node may die (the server serves the others); a server
 actor that dies ends its gateways with it, so every waiting actor gets
-:class:`~torchrl_batchserve.errors.ServerBrokenError` from its socket at once.
+:class:`~torchrl_batchserve.errors.ServerBrokenError` from its socket at once;
+so does one that Ray ends gracefully (a SIGTERM, say): it ends as if killed.
 A server that is closed closes its gateways first, so that each serves its
 node's queue and tells its actors
 :class:`~torchrl_batchserve.errors.ServerClosedError`.
@@ -64,7 +65,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tensordict import TensorDict, TensorDictBase
 
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError, own_copy
-from torchrl_batchserve.gateway import Gateway, LinkListener, Unstacked
+from torchrl_batchserve.gateway import Gateway, LinkListener, Unstacked, exit_as_killed_unless
 from torchrl_batchserve.remote import RemotePolicy
 from torchrl_batchserve.server import BatchedPolicyServer, check_seconds
 from torchrl_batchserve.stats import ServerStatistics, check_since
@@ -441,6 +442,7 @@ class _ServerActor:
         self._request_keys = list(self._server._serving.layout.keys)  # in_keys but those the collate writes
         self._variable = dict(getattr(self._server.collate, "variable_dims", None) or {})
         self._links = LinkListener(self._server, self._returned, ray.util.get_node_ip_address())
+        exit_as_killed_unless(lambda: self._closed)
 
     def describe(self) -> dict[str, Any]:
         if self._failure is not None:
