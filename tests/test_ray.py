@@ -1008,6 +1008,38 @@ def test_a_link_connection_that_never_proves_the_key_holds_up_no_gateway(monkeyp
     assert not [t for t in threading.enumerate() if t.name == "batchserve-link-accept"]  # close() ended it
 
 
+def test_a_link_listener_that_cannot_start_a_thread_for_a_link_hangs_up_on_it_and_accepts_the_next(monkeypatch):
+    # Under a container's process limit, starting a thread raises: the accept thread died of it, and every
+    # later gateway waited out its handshake and failed.
+    import threading
+
+    from torchrl_batchserve import BatchedPolicyServer, gateway
+    from torchrl_batchserve.gateway import Link, LinkListener
+
+    start = threading.Thread.start
+
+    def no_thread_for_links(thread):
+        if thread.name == "batchserve-link":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(gateway, "HANDSHAKE_TIMEOUT", 5.0)
+    with BatchedPolicyServer(factory(), max_batch_size=8) as server:
+        links = LinkListener(server, ["act", "policy_version"], "127.0.0.1")
+        try:
+            monkeypatch.setattr(threading.Thread, "start", no_thread_for_links)
+            with pytest.raises(ServerBrokenError, match="cannot reach"):
+                Link(links.address, links.authkey)  # hung up on at once, not at the handshake's timeout
+            monkeypatch.setattr(threading.Thread, "start", start)
+            link = Link(links.address, links.authkey)
+            x = torch.stack([observation(0, i) for i in range(2)])
+            out = link.submit(TensorDict(obs=x, batch_size=[2]), None).result(30)
+            torch.testing.assert_close(out["act"], reference(None, x))
+            link._conn.close()
+        finally:
+            links.close()
+
+
 def test_a_link_sends_each_message_at_once_from_both_ends():
     # A message is two writes (its head, then its body). With Nagle's algorithm on, the second waited for the
     # peer's delayed ACK of the first (40 ms on Linux) at each end: 88 ms a gateway batch on loopback.

@@ -284,7 +284,11 @@ class LinkListener:
             if self._closed:  # close()'s knock
                 conn.close()
                 return
-            threading.Thread(target=self._admit, args=(conn,), name="batchserve-link", daemon=True).start()
+            try:
+                threading.Thread(target=self._admit, args=(conn,), name="batchserve-link", daemon=True).start()
+            except RuntimeError:  # no thread to be had (a container's process limit): this link fails, not later ones
+                _log.warning("no thread to serve a gateway's link: hung up on it")
+                conn.close()
 
     def _admit(self, conn: Connection) -> None:
         """Serve ``conn``'s batches once it proved the key in time; else hang up."""
