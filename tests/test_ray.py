@@ -817,6 +817,25 @@ def test_a_gateway_that_ray_ends_gracefully_tells_its_actors_the_server_broke_no
             links.close()
 
 
+def test_a_gateway_ended_by_sigterm_fails_its_actors_once_and_a_new_gateway_serves_them(cluster):
+    # Its server was abandoned, and the node's actors were told "closed" for good while the server served on.
+    import signal
+
+    def gateway_pid(server_actor, node):
+        return ray.get(server_actor._gateways[node][0].__ray_call__.remote(lambda gateway: os.getpid()))
+
+    with served(max_batch_size=16, timeout=0.002) as handle:
+        actor = Actor.options(resources=NODE_A).remote(handle.remote_policy(), 0)
+        ray.get(actor.calls.remote(1))
+        node = ray.get(actor.node.remote())
+        os.kill(ray.get(handle.actor.__ray_call__.remote(gateway_pid, node)), signal.SIGTERM)
+        name, _, message = ray.get(actor.until_error.remote(60), timeout=120)
+        assert name == "ServerBrokenError", message
+        for x, act, version in ray.get(actor.calls.remote(3)):
+            assert version == 0
+            torch.testing.assert_close(act, reference(None, x))
+
+
 def test_a_server_actor_ended_by_sigterm_is_broken_to_every_actor_and_found_again_once_restarted(cluster):
     # A SIGTERM (a node drained, a container stopped) ends the server actor gracefully: its server's finalizer
     # told the actors of its node "closed", which RayEndpoint keeps for good, so the restarted actor was
