@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import threading
@@ -38,6 +39,21 @@ def wait_for(condition, what: str, timeout: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def no_thread_named(name: str):
+    """Inside the block, starting a thread called ``name`` raises, as under a container's process limit."""
+    start = threading.Thread.start
+
+    def refuse(thread):
+        if thread.name == name:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(threading.Thread, "start", refuse)
+        yield
 
 
 @pytest.fixture

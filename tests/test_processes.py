@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import process_workers as pw
 import pytest
 import torch
-from conftest import BigOutputs, GatedPolicy, wait_for
+from conftest import BigOutputs, GatedPolicy, no_thread_named, wait_for
 from tensordict import TensorDict
 from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
 from torch import nn
@@ -477,22 +477,15 @@ def test_a_worker_that_a_live_hub_admits_too_slowly_connects_again_instead_of_fi
 def test_a_hub_that_cannot_start_a_handshake_thread_admits_the_worker_itself(policy, monkeypatch):
     # Under a container's process limit, starting a thread raises: the accept thread died of it, and no worker
     # connected again.
-    start = threading.Thread.start
-
-    def no_thread_for_handshakes(thread):
-        if thread.name == "batchserve-hub-handshake":
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
     monkeypatch.setattr(client_module, "HANDSHAKE_TIMEOUT", 0.5)
     with BatchedPolicyServer(policy) as server:
         remote = pickle.loads(pickle.dumps(server.remote_policy()))  # a client of the hub, as in a worker
-        monkeypatch.setattr(threading.Thread, "start", no_thread_for_handshakes)
-        outs = [remote.submit(TensorDict(observation=torch.ones(8))).result(timeout=30)]  # (a pool thread connects)
-        outs.append(remote(TensorDict(observation=torch.ones(8))))
-        second = pickle.loads(pickle.dumps(server.remote_policy()))
-        outs.append(second(TensorDict(observation=torch.zeros(8))))
-        assert server._endpoint.lazy_hub.hub._accepter.is_alive()
+        with no_thread_named("batchserve-hub-handshake"):
+            outs = [remote.submit(TensorDict(observation=torch.ones(8))).result(timeout=30)]  # (a pool thread connects)
+            outs.append(remote(TensorDict(observation=torch.ones(8))))
+            second = pickle.loads(pickle.dumps(server.remote_policy()))
+            outs.append(second(TensorDict(observation=torch.zeros(8))))
+            assert server._endpoint.lazy_hub.hub._accepter.is_alive()
     with torch.no_grad():
         for out, x in zip(outs, [torch.ones(8), torch.ones(8), torch.zeros(8)]):
             torch.testing.assert_close(out["logits"], policy.module(x))

@@ -1030,26 +1030,17 @@ def test_a_link_connection_that_never_proves_the_key_holds_up_no_gateway(monkeyp
 def test_a_link_listener_that_cannot_start_a_thread_for_a_link_hangs_up_on_it_and_accepts_the_next(monkeypatch):
     # Under a container's process limit, starting a thread raises: the accept thread died of it, and every
     # later gateway waited out its handshake and failed.
-    import threading
+    from conftest import no_thread_named
 
     from torchrl_batchserve import BatchedPolicyServer, gateway
     from torchrl_batchserve.gateway import Link, LinkListener
-
-    start = threading.Thread.start
-
-    def no_thread_for_links(thread):
-        if thread.name == "batchserve-link":
-            raise RuntimeError("can't start new thread")
-        start(thread)
 
     monkeypatch.setattr(gateway, "HANDSHAKE_TIMEOUT", 5.0)
     with BatchedPolicyServer(factory(), max_batch_size=8) as server:
         links = LinkListener(server, ["act", "policy_version"], "127.0.0.1")
         try:
-            monkeypatch.setattr(threading.Thread, "start", no_thread_for_links)
-            with pytest.raises(ServerBrokenError, match="cannot reach"):
+            with no_thread_named("batchserve-link"), pytest.raises(ServerBrokenError, match="cannot reach"):
                 Link(links.address, links.authkey)  # hung up on at once, not at the handshake's timeout
-            monkeypatch.setattr(threading.Thread, "start", start)
             link = Link(links.address, links.authkey)
             x = torch.stack([observation(0, i) for i in range(2)])
             out = link.submit(TensorDict(obs=x, batch_size=[2]), None).result(30)
