@@ -133,11 +133,16 @@ def drive_threads(call: Callable, make: Callable, actors: int, per_actor: int) -
 def drive_tasks(acall: Callable, make: Callable, tasks: int, per_task: int) -> tuple[float, list[float], float]:
     """Like :func:`drive_threads`: the clock starts once every task is running and has been served once."""
     latencies: list[float] = []
+    served_once = 0
 
-    async def task(i: int, ready: asyncio.Barrier) -> None:
+    async def task(i: int, all_served: asyncio.Event, go: asyncio.Event) -> None:
+        nonlocal served_once
         g = torch.Generator().manual_seed(i)
         await acall(make(g))
-        await ready.wait()
+        served_once += 1
+        if served_once == tasks:
+            all_served.set()
+        await go.wait()  # (asyncio.Barrier is Python 3.11+)
         for _ in range(per_task):
             td = make(g)  # a fresh TensorDict per request, as an env step makes
             t = time.perf_counter()
@@ -145,10 +150,11 @@ def drive_tasks(acall: Callable, make: Callable, tasks: int, per_task: int) -> t
             latencies.append(time.perf_counter() - t)
 
     async def main() -> tuple[float, float]:
-        ready = asyncio.Barrier(tasks + 1)
-        running = asyncio.gather(*(task(i, ready) for i in range(tasks)))
-        await ready.wait()
+        all_served, go = asyncio.Event(), asyncio.Event()
+        running = asyncio.gather(*(task(i, all_served, go) for i in range(tasks)))
+        await all_served.wait()
         start, cpu = time.perf_counter(), time.process_time()
+        go.set()
         await running
         return time.perf_counter() - start, time.process_time() - cpu
 

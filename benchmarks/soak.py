@@ -49,6 +49,7 @@ import random
 import threading
 import time
 from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ POOL = 64  # distinct observation rows with --cache
 POISON = 1e6  # a row whose first feature is this fails its batch (--faults)
 MODES = (InteractionType.RANDOM, InteractionType.DETERMINISTIC, InteractionType.MODE)  # of the workers (--modes)
 OFFSET = {None: 0.0, **{mode: 10.0 * (i + 1) for i, mode in enumerate(MODES)}}  # added by the policy per type
+TIMEOUTS = (TimeoutError, asyncio.TimeoutError, FutureTimeoutError)  # a caller's own timeout (one class from 3.11)
 
 
 def make_net() -> torch.nn.Module:
@@ -150,7 +152,7 @@ class Checker:
 
         ``timed_out``: the caller gave it a timeout (a ``TimeoutError`` is then its caller's cancellation).
         """
-        if isinstance(error, CancelledError) or (timed_out and isinstance(error, TimeoutError)):
+        if isinstance(error, CancelledError) or (timed_out and isinstance(error, TIMEOUTS)):
             self.cancelled += 1  # cancelled by its caller (--faults)
         elif "poisoned row" in str(error):
             self.refused += 1  # its batch held a poisoned row: a row of its own or of a neighbour's
