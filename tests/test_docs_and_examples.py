@@ -251,6 +251,7 @@ def test_process_benchmark_quick_smoke(tmp_path):
     [name for _, name in socket.if_nameindex()] != ["lo"], reason="Ray runs in a loopback-only namespace (make test)"
 )
 @pytest.mark.timeout(600)
+@pytest.mark.ray_cluster
 def test_ray_benchmark_quick_smoke(tmp_path):
     pytest.importorskip("ray")
     argv = ["--quick", "--actors", "2", "--seconds", "1", "--out", str(tmp_path)]

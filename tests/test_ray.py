@@ -33,6 +33,7 @@ pytestmark = [
         reason="Ray tests run in a loopback-only network namespace: tools/loopback-only python -m pytest (make test)",
     ),
     pytest.mark.timeout(300),
+    pytest.mark.ray_cluster,
 ]
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import the tests folder
