@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -54,6 +55,13 @@ def reference(weights: TensorDict | None, x: torch.Tensor) -> torch.Tensor:
         weights.to_module(net)
     with torch.no_grad():
         return net(TensorDict(obs=x))["act"]
+
+
+def assert_serves(actor, version: int, weights: TensorDict | None, calls: int = 3) -> None:
+    """``actor``'s next ``calls`` calls are served at ``version``, each the forward of ``weights``."""
+    for x, act, got in ray.get(actor.calls.remote(calls)):
+        assert got == version
+        torch.testing.assert_close(act, reference(weights, x))
 
 
 def observation(actor: int, i: int) -> torch.Tensor:
@@ -572,10 +580,7 @@ def test_one_push_reaches_several_servers_as_one_version_or_none(cluster):
         with pytest.raises(WeightSyncError, match="bias"):
             push_weights(servers, {"weight": torch.zeros(3, 4), "bias": torch.zeros(4)})
         for server in servers:
-            actor = Actor.options(resources=NODE_B).remote(server.remote_policy(), 0)
-            for x, act, version in ray.get(actor.calls.remote(3)):
-                assert version == 2
-                torch.testing.assert_close(act, reference(pushed, x))
+            assert_serves(Actor.options(resources=NODE_B).remote(server.remote_policy(), 0), 2, pushed)
             assert server.statistics().policy_version == 2
     finally:
         for server in servers:
@@ -820,8 +825,6 @@ def test_a_gateway_that_ray_ends_gracefully_tells_its_actors_the_server_broke_no
 
 def test_a_gateway_ended_by_sigterm_fails_its_actors_once_and_a_new_gateway_serves_them(cluster):
     # Its server was abandoned, and the node's actors were told "closed" for good while the server served on.
-    import signal
-
     def gateway_pid(server_actor, node):
         return ray.get(server_actor._gateways[node][0].__ray_call__.remote(lambda gateway: os.getpid()))
 
@@ -832,17 +835,13 @@ def test_a_gateway_ended_by_sigterm_fails_its_actors_once_and_a_new_gateway_serv
         os.kill(ray.get(handle.actor.__ray_call__.remote(gateway_pid, node)), signal.SIGTERM)
         name, _, message = ray.get(actor.until_error.remote(60), timeout=120)
         assert name == "ServerBrokenError", message
-        for x, act, version in ray.get(actor.calls.remote(3)):
-            assert version == 0
-            torch.testing.assert_close(act, reference(None, x))
+        assert_serves(actor, 0, None)
 
 
 def test_a_server_actor_ended_by_sigterm_is_broken_to_every_actor_and_found_again_once_restarted(cluster):
-    # A SIGTERM (a node drained, a container stopped) ends the server actor gracefully: its server's finalizer
+    # A SIGTERM (an operator's kill, a container stopped) ends the server actor gracefully: its server's finalizer
     # told the actors of its node "closed", which RayEndpoint keeps for good, so the restarted actor was
     # never found.
-    import signal
-
     with served(max_restarts=1, max_batch_size=16, timeout=0.002) as handle:
         remote = handle.remote_policy()
         actors = [Actor.options(resources=SERVER).remote(remote, 0), Actor.options(resources=NODE_A).remote(remote, 1)]
@@ -853,9 +852,7 @@ def test_a_server_actor_ended_by_sigterm_is_broken_to_every_actor_and_found_agai
         pushed = TensorDict.from_module(factory(seed=7)).data.clone()
         assert handle.update_weights(pushed) == 1
         for actor in actors:
-            for x, act, version in ray.get(actor.calls.remote(3)):
-                assert version == 1
-                torch.testing.assert_close(act, reference(pushed, x))
+            assert_serves(actor, 1, pushed)
 
 
 def test_a_restarted_server_is_found_again_and_serves_after_the_next_push(cluster):
