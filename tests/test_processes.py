@@ -1127,6 +1127,8 @@ def test_a_trainer_may_push_the_module_that_the_served_tensordictmodule_wraps(co
         assert trainer.push(pw.make_net(5)) == 1  # its names lack the wrapper's "module."
         with pytest.raises(WeightSyncError, match="version must be an int .*, got 2.5"):
             trainer.push(pw.make_net(6), version=2.5)  # refused before anything is sent
+        with pytest.raises(WeightSyncError, match="version must be at most 2"):
+            trainer.push(pw.make_net(6), version=2**63)
         out = result_at(server, trainer, receiver, 1)
     with torch.no_grad():
         torch.testing.assert_close(out["logits"], pw.make_net(5)(torch.ones(8)))

@@ -881,6 +881,13 @@ def test_update_weights_takes_the_version_given_refuses_one_that_does_not_increa
         assert server.update_weights(weights) == 11  # the refused pushes changed nothing
         assert int(remote(obs())["policy_version"]) == 11
         assert server.update_weights(weights, version=torch.tensor(12)) == 12  # an integer tensor is an int
+        # Results carry the version as an int64: 2**63 was staged, and then every batch failed on its stamp.
+        with pytest.raises(WeightSyncError, match=r"version must be at most 2\*\*63 - 1 .*, got 9223372036854775808"):
+            server.update_weights(weights, version=2**63)
+        assert server.update_weights(weights, version=2**63 - 1) == 2**63 - 1
+        with pytest.raises(WeightSyncError, match="version must be at most"):
+            server.update_weights(weights)  # the next one would not fit either
+        assert int(remote(obs())["policy_version"]) == 2**63 - 1
 
 
 @pytest.mark.parametrize("wrapped", ["plain", "TensorDictModule", "compiled", "compiled trainer"])

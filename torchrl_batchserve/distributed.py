@@ -56,7 +56,7 @@ import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
 from torchrl_batchserve.errors import WeightSyncError
-from torchrl_batchserve.weights import ShadowWeights, as_weights, castable, check_version
+from torchrl_batchserve.weights import ShadowWeights, as_weights, castable, check_version, stampable
 
 __all__ = ["WeightBroadcaster", "WeightReceiver", "check_group"]
 
@@ -156,7 +156,7 @@ class WeightBroadcaster:
         with self._lock:
             if self._group is None:
                 raise WeightSyncError("this WeightBroadcaster is closed: it pushes no more")
-            version = self.version + 1 if version is None else version
+            version = stampable(self.version + 1) if version is None else version
             meta = pickle.dumps({"version": version, "layout": _layout(weights)})
             try:
                 # Read out before the servers hear of the push: one left waiting mid-push for buffers that

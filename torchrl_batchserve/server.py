@@ -584,7 +584,7 @@ class BatchedPolicyServer(TensorDictModule):
         weights keep serving. The copy is made here, in the caller's thread,
         from tensors it only reads (a trainer's autograd is not disturbed);
         the serve loops only swap it in between two batches. ``version``
-        numbers the push (it must exceed the current one; default: the next).
+        numbers the push (it must exceed the current one and fit the int64 stamp; default: the next).
         A closed server serves nothing more: it raises
         :class:`~torchrl_batchserve.errors.ServerClosedError`.
         """

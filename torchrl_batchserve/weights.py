@@ -198,7 +198,7 @@ class ShadowWeights:
         with self._lock:
             earlier = self._latest
             if version is None:
-                version = earlier.version + 1
+                version = stampable(earlier.version + 1)
             elif version <= earlier.version:
                 raise WeightSyncError(f"version must increase: staged {earlier.version}, got {version}")
             after = None
@@ -244,6 +244,9 @@ def as_integer(value: Any) -> int | None:
         return None
 
 
+MAX_VERSION = 2**63 - 1  # results carry their version as an int64 stamp
+
+
 def check_version(version: Any) -> int | None:
     """``version`` as an int (``None``: the next one); :class:`WeightSyncError` if it is no integer."""
     if version is None:
@@ -251,7 +254,14 @@ def check_version(version: Any) -> int | None:
     number = as_integer(version)
     if number is None:
         raise WeightSyncError(f"version must be an int (or None: the next one), got {version!r}")
-    return number
+    return stampable(number)
+
+
+def stampable(version: int) -> int:
+    """``version``, if an int64 stamp holds it; else :class:`WeightSyncError`."""
+    if version > MAX_VERSION:
+        raise WeightSyncError(f"version must be at most 2**63 - 1 (results carry it as an int64), got {version}")
+    return version
 
 
 def key_path(key: Any) -> tuple[str, ...]:
