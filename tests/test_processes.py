@@ -1064,6 +1064,7 @@ def test_scheme_arguments_and_clean_import():
         ({"port": "29500"}, r"port must be an int in 1..65535 \(got '29500'\)"),
         ({"address": None}, r"address must be a host name or an IP address \(got None\)"),
         ({"timeout": -1}, r"timeout must be a finite number of seconds > 0 \(got -1\)"),
+        ({"timeout": 9e9}, r"timeout must be at most 1e\+09 seconds .* \(got 9000000000.0\)"),  # its store hung
     ):
         args = {"address": "127.0.0.1", "port": 1, "world_size": 2, **kwargs}
         with pytest.raises(ValueError, match=message):

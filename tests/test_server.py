@@ -695,6 +695,8 @@ def test_a_close_timeout_that_is_no_number_of_seconds_is_refused_and_the_server_
         for bad in (-1, float("nan"), "5"):
             with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds >= 0 \(got"):
                 server.close(timeout=bad)
+        with pytest.raises(ValueError, match="timeout must be at most threading.TIMEOUT_MAX"):
+            server.close(timeout=1e10)
         assert not server.closed
         assert remote(obs())["logits"].shape == (3,)
     assert server.closed
@@ -789,6 +791,9 @@ def test_queue_full_is_refused_at_once():
         ({"max_batch_size": True}, r"max_batch_size must be an int >= 1 \(got True\)"),
         ({"timeout": -1}, r"timeout must be a finite number of seconds >= 0 \(got -1\)"),
         ({"timeout": float("inf")}, r"timeout must be a finite number of seconds >= 0 \(got inf\)"),
+        # accepted before, and the serve loop died on its first timed wait (OverflowError), failing its callers
+        ({"timeout": 1e10}, r"timeout must be at most threading.TIMEOUT_MAX = 9.2\d+e\+09 seconds, .* \(got 1"),
+        ({"forward_timeout": 1e10}, r"forward_timeout must be at most threading.TIMEOUT_MAX = 9.2"),
         ({"max_queue_size": 0}, r"max_queue_size must be an int >= 1 \(got 0\)"),
         ({"device": "nonsense"}, r"device must be a torch.device or a device string \(got 'nonsense'\)"),
         ({"device": []}, r"device must name at least one device \(got an empty sequence\)"),

@@ -62,6 +62,7 @@ __all__ = ["WeightBroadcaster", "WeightReceiver", "check_group"]
 
 _log = logging.getLogger(__name__)
 _PUSH, _STOP = 1, 2  # header kinds
+MAX_TIMEOUT = 1e9  # seconds; torch.distributed's store hung at 9e9 and failed at 1e10 (torch 2.13)
 _MEMBERS: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's open weight-group members
 
 
@@ -85,6 +86,11 @@ def check_group(address: Any, port: Any, world_size: Any, timeout: Any) -> None:
         raise ValueError(f"world_size must be an int >= 2: the trainer and at least one server (got {world_size!r})")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a finite number of seconds > 0 (got {timeout!r})")
+    if timeout > MAX_TIMEOUT:
+        raise ValueError(
+            f"timeout must be at most {MAX_TIMEOUT:g} seconds (about 31 years): torch.distributed's deadlines "
+            f"overflow on much longer ones, and its store then hangs or fails (got {timeout!r})"
+        )
 
 
 def _group(address: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[Any, Any]:

@@ -176,6 +176,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 
 def check_seconds(name: str, value: Any, positive: bool = False) -> float:
+    """``value`` as the seconds a thread may wait: >= 0 (> 0 if ``positive``), up to ``threading.TIMEOUT_MAX``."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -184,6 +185,11 @@ def check_seconds(name: str, value: Any, positive: bool = False) -> float:
         or (positive and value == 0)
     ):
         raise ValueError(f"{name} must be a finite number of seconds {'> 0' if positive else '>= 0'} (got {value!r})")
+    if value > threading.TIMEOUT_MAX:  # a wait that long raises OverflowError, in a serve loop or a close
+        raise ValueError(
+            f"{name} must be at most threading.TIMEOUT_MAX = {threading.TIMEOUT_MAX:g} seconds, the longest a "
+            f"thread can wait (got {value!r})"
+        )
     return float(value)
 
 
