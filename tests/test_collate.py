@@ -207,6 +207,16 @@ def test_pad_constructor_errors_name_the_argument():
         PadCollate(["x"], buckets=[0, 4])
     with pytest.raises(ValueError, match=r"pad_values names \['y'\]"):
         PadCollate(["x"], pad_values={"y": 1})
+    # each accepted before, and then every batch failed in torch (a pad value), or one entry overwrote another
+    with pytest.raises(ValueError, match=r"pad_values\['x'\] must be a number \(an int, float or bool\), got 'a'"):
+        PadCollate(["x"], pad_values={"x": "a"})
+    assert PadCollate(["x"], pad_values={"x": np.int64(3)}).pad_values == {"x": 3}
+    with pytest.raises(ValueError, match="mask_key='x' is also one of keys: one would overwrite the other"):
+        PadCollate(["x"], mask_key="x")
+    with pytest.raises(ValueError, match="offsets_key='x' is also one of keys"):
+        PackCollate(["x"], offsets_key="x")
+    with pytest.raises(ValueError, match="segment_ids_key='n' is also offsets_key"):
+        PackCollate(["x"], offsets_key="n", segment_ids_key="n")
     # what is no key is named as such, not left to a TypeError from deep inside tensordict (or dropped)
     with pytest.raises(TypeError, match=r"keys: expected a key \(a str or a tuple of str\), got \('x', 1\)"):
         PadCollate([("x", 1)])

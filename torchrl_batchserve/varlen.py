@@ -16,6 +16,7 @@ elements and never a padded one.
 from __future__ import annotations
 
 import bisect
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,17 @@ def _is_key(key: Any) -> bool:
     if isinstance(key, str):
         return bool(key)
     return isinstance(key, (tuple, list)) and bool(key) and all(map(_is_key, key))
+
+
+def _refuse_overwrite(keys: Sequence[NestedKey], **written: NestedKey | None) -> None:
+    """Refuse a key the collate writes (a mask, offsets) that is one of the entries it collates, or another
+    that it writes: one would overwrite the other in every batch."""
+    seen: dict[NestedKey, str] = {key: "one of keys" for key in keys}
+    for name, key in written.items():
+        if key is not None:
+            if key in seen:
+                raise ValueError(f"{name}={key!r} is also {seen[key]}: one would overwrite the other in the batch")
+            seen[key] = name
 
 
 def _key_set(name: str, keys: Any, *, required: bool) -> tuple[NestedKey, ...]:
@@ -167,6 +179,10 @@ class PadCollate:
         unknown = [k for k in self.pad_values if k not in self.keys]
         if unknown:
             raise ValueError(f"pad_values names {unknown}, which are not among the padded keys {list(self.keys)}")
+        for key, value in self.pad_values.items():  # else every batch would fail in torch's pad_sequence
+            if not isinstance(value, numbers.Real):
+                raise ValueError(f"pad_values[{key!r}] must be a number (an int, float or bool), got {value!r}")
+        _refuse_overwrite(self.keys, mask_key=self.mask_key)
         self.provided_keys = frozenset() if self.mask_key is None else frozenset({self.mask_key})
         self.variable_dims = {key: (self.dim,) for key in self.keys}
         self.cut_keys = self.trim_keys
@@ -302,6 +318,7 @@ class PackCollate:
         self.offsets_key = None if offsets_key is None else as_key(offsets_key, "offsets_key")
         self.segment_ids_key = None if segment_ids_key is None else as_key(segment_ids_key, "segment_ids_key")
         self.element_keys = _key_set("element_keys", element_keys, required=False)
+        _refuse_overwrite(self.keys, offsets_key=self.offsets_key, segment_ids_key=self.segment_ids_key)
         self.provided_keys = frozenset(k for k in (self.offsets_key, self.segment_ids_key) if k is not None)
         self.variable_dims = {key: (0,) for key in self.keys}
         self.cut_keys = self.element_keys
