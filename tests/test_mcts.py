@@ -503,6 +503,12 @@ def test_a_step_into_a_stuck_state_and_an_illegal_move_are_refused():
         ValueError, match=r"action must be a legal move of the root, one of \[0, 1, 2, 3, 5, 6, 7, 8\] \(got 4\)"
     ):
         search.advance(tree, 4)
+    # what is no state or no tree is named, not an AttributeError from inside the search
+    with pytest.raises(TypeError, match=r"state must be a TensorDict \(e.g. env.reset\(\)\), got ndarray"):
+        search.tree(legal.reset()["board"].numpy())
+    for call in (lambda: search.run(None, 3), lambda: search.advance(legal.reset(), 4)):
+        with pytest.raises(TypeError, match=r"tree must be a Tree \(search.tree\(state\) or search.advance"):
+            call()
     search.close()
 
 

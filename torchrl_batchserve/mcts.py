@@ -70,6 +70,11 @@ def _check_finite(name: str, number: Any, positive: bool = False) -> None:
         raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0 (got {number!r})")
 
 
+def _check_tree(tree: Any) -> None:
+    if not isinstance(tree, Tree):
+        raise TypeError(f"tree must be a Tree (search.tree(state) or search.advance(...)), got {type(tree).__name__}")
+
+
 class Node:
     """A position of the tree: its env state and the statistics of its moves.
 
@@ -244,6 +249,8 @@ class TreeSearch:
 
         (Its mask may still show free cells: searched, it would hand out a move of a game that is over.)
         """
+        if not isinstance(state, TensorDictBase):
+            raise TypeError(f"state must be a TensorDict (e.g. env.reset()), got {type(state).__name__}")
         done = state.get(self.done_key, None)
         if done is not None and bool(done.any()):
             raise ValueError(f"state is a finished game ({self.done_key!r} is True): there is no move to search")
@@ -251,6 +258,7 @@ class TreeSearch:
 
     def advance(self, tree: Tree, action: int) -> Tree:
         """The tree after ``action`` is played: the child's subtree, its statistics kept."""
+        _check_tree(tree)
         if tree.root.terminal is not None:
             raise ValueError("the root is a finished game: there is no move to play")
         legal = [a for a, ok in enumerate(tree.root.legal) if ok]
@@ -487,6 +495,7 @@ class TreeSearch:
 
     def _check(self, tree: Tree, simulations: int, temperature: float) -> TensorDictBase | None:
         """Refuse a run that cannot be searched; the root's request when it is not expanded yet."""
+        _check_tree(tree)
         if not isinstance(simulations, int) or isinstance(simulations, bool) or simulations < 1:
             raise ValueError(f"simulations must be an int >= 1 (got {simulations!r})")
         _check_finite("temperature", temperature)
