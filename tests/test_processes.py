@@ -1042,6 +1042,8 @@ def test_the_legacy_weight_updater_serves_the_trained_module_on_an_update_with_n
         finally:
             collector.shutdown()
     assert seen == [[0], [1], [2]] and server.policy_version == 3
+    with pytest.raises(TypeError, match="target must be a BatchedPolicyServer or a BatchServeWeightSyncScheme, got"):
+        weight_updater(policy)  # accepted before: the collector's first update_policy_weights_ failed
 
 
 def test_scheme_arguments_and_clean_import():

@@ -1165,6 +1165,10 @@ def test_each_request_runs_under_its_callers_interaction_type():
         assert int(unset["seen"]) == -1
         with pytest.raises(TypeError, match="interaction must be an InteractionType or None"):
             server.submit(obs(), interaction="random")
+        # a caller the queue cannot count by: it was queued, and the serve loop died on it, breaking the server
+        with pytest.raises(TypeError, match=r"caller must be hashable: it names who waits .*, got \['relay'\]"):
+            server.submit(obs(), caller=["relay"])
+        assert int(server.submit(obs(), caller=("relay", 1)).result(10)["seen"]) >= -1 and not server.closed
 
 
 def test_a_batch_leaves_the_process_wide_interaction_type_as_the_callers_left_it(net):

@@ -561,7 +561,7 @@ class BatchedPolicyServer(TensorDictModule):
     ) -> Future[TensorDictBase]:
         """Shortcut for ``server.remote_policy().submit(tensordict)``.
 
-        ``caller`` names who waits on the result, for the batching rule's
+        ``caller`` (hashable) names who waits on the result, for the batching rule's
         ``all_waiting`` (default: the calling thread). A relay that submits
         for others from a pool of threads (a node's gateway) passes its own
         name, so that its requests count as one caller's. ``interaction`` is

@@ -291,6 +291,10 @@ def weight_updater(target: Any) -> Any:
     favour of :class:`BatchServeWeightSyncScheme`, which new code should use).
     """
     global _UPDATER
+    if not (isinstance(target, BatchServeWeightSyncScheme) or callable(getattr(target, "weight_sync_scheme", None))):
+        raise TypeError(
+            f"target must be a BatchedPolicyServer or a BatchServeWeightSyncScheme, got {type(target).__name__}"
+        )
     if _UPDATER is None:
         from torchrl.collectors import WeightUpdaterBase
 
