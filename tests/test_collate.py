@@ -198,6 +198,16 @@ def test_pad_along_an_inner_dim_and_nested_keys():
         torch.testing.assert_close(td["out", "tripled"], frames * 3)
 
 
+def test_stack_collate_refuses_a_pin_memory_that_no_batch_could_use():
+    with pytest.raises(ValueError, match=r"pin_memory must be a bool \(got 'yes'\)"):
+        StackCollate(pin_memory="yes")
+    if torch.accelerator.is_available():
+        assert StackCollate(pin_memory=True).pin_memory
+    else:  # accepted before, and every batch failed in torch
+        with pytest.raises(ValueError, match="pin_memory=True: this torch build or machine has no CUDA"):
+            StackCollate(pin_memory=True)
+
+
 def test_pad_constructor_errors_name_the_argument():
     with pytest.raises(ValueError, match="keys must name at least one entry"):
         PadCollate([])

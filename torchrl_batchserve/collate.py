@@ -125,6 +125,10 @@ class StackCollate:
     variable_dims: dict = {}
 
     def __init__(self, *, pin_memory: bool = False) -> None:
+        if not isinstance(pin_memory, bool):
+            raise ValueError(f"pin_memory must be a bool (got {pin_memory!r})")
+        if pin_memory and not torch.accelerator.is_available():  # else every batch would fail
+            raise ValueError("pin_memory=True: this torch build or machine has no CUDA (or other accelerator) device")
         self.pin_memory = pin_memory
 
     def collate(self, requests: Sequence[Request], keys: Sequence[Any]) -> TensorDictBase:
