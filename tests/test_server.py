@@ -282,6 +282,9 @@ def test_plain_module_with_keys_and_the_server_called_like_a_policy(net):
         td = server(obs(5))  # called like a policy, the server serves the request batched
         out = server.remote_policy()(obs())
         assert server.statistics().requests == 2
+        for call in (server, server.remote_policy()):  # an argument the call would not honour: it was dropped
+            with pytest.raises(TypeError, match="unexpected keyword argument 'tensordict_out'"):
+                call(obs(), tensordict_out=obs())
         for move in (lambda: server.to(torch.float64), lambda: server.double(), lambda: server.to("cpu")):
             with pytest.raises(TypeError, match=r"would change only the module it was given .* device="):
                 move()  # it moved the trainer's module, and the served copies stayed as they were

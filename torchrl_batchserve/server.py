@@ -449,7 +449,7 @@ class BatchedPolicyServer(TensorDictModule):
         return self.module
 
     @dispatch(auto_batch_size=False)
-    def forward(self, tensordict: TensorDictBase, *args: Any, **kwargs: Any) -> TensorDictBase:
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Serve ``tensordict`` batched, as ``server.remote_policy()(tensordict)`` does."""
         return self._endpoint.call(tensordict)
 
