@@ -504,7 +504,23 @@ def train(learner: TensorDictModule, optimizer: torch.optim.Optimizer, buffer: R
     return sum(losses) / max(1, len(losses))
 
 
+# Counts of the config that must be positive (rounds, eval.every and temperature_moves may be 0 too).
+COUNTS = (
+    "games_at_once",
+    "games_per_round",
+    "train.steps_per_round",
+    "train.batch_size",
+    "train.buffer_size",
+    "eval.games",
+    "eval.simulations",
+)
+
+
 def run(cfg: DictConfig) -> dict:
+    for key, least in [*((k, 1) for k in COUNTS), ("rounds", 0), ("eval.every", 0), ("temperature_moves", 0)]:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{key} must be an int >= {least} (got {value!r})")
     torch.manual_seed(cfg.seed)
     env = make_env(cfg.game)
     served = make_policy(env, cfg.seed)

@@ -102,6 +102,22 @@ def test_selfplay_smoke(tmp_path, overrides):
         assert result["policy_version"] == 2 and result["cache_misses"] > 0
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("games_at_once=0", r"games_at_once must be an int >= 1 \(got 0\)"),  # ThreadPoolExecutor's max_workers
+        ("games_per_round=0", r"games_per_round must be an int >= 1 \(got 0\)"),  # an empty replay buffer's
+        ("rounds=-1", r"rounds must be an int >= 0 \(got -1\)"),
+        ("eval.games=0", r"eval.games must be an int >= 1 \(got 0\)"),
+    ],
+)
+def test_a_count_out_of_range_is_refused_by_its_key_before_anything_runs(tmp_path, override, message):
+    # each failed later with the error of whatever it reached first, naming no key
+    with pytest.raises(ValueError, match=message):
+        mcts.run(config(override, "progress=false", f"out_dir={tmp_path}"))
+    assert not any(tmp_path.iterdir())  # refused before the run's folder is written
+
+
 def test_searcher_processes_exit_when_their_run_is_killed(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
