@@ -35,6 +35,12 @@ def make_policy(cfg: DictConfig) -> TensorDictModule:
 
 
 def run(cfg: DictConfig) -> dict:
+    least = {"threads": 0, "tasks": 0, "requests_per_actor": 1, "obs_dim": 1, "hidden": 1, "actions": 1}
+    for key, n in least.items():  # else a stack of no results failed at the end, or a negative count ran none
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < n:
+            raise ValueError(f"{key} must be an int >= {n} (got {cfg[key]!r})")
+    if cfg.threads + cfg.tasks == 0:
+        raise ValueError("threads + tasks must be at least 1: no actor would call the server")
     policy = make_policy(cfg)
     n = cfg.requests_per_actor
     total = (cfg.threads + cfg.tasks) * n

@@ -107,7 +107,14 @@ def imitation_steps(
         optimizer.step()
 
 
+# Counts of the config, refused by key when out of range (else each failed deep inside TorchRL, or trained on nothing).
+COUNTS = ("workers", "frames_per_batch", "total_frames", "max_frames_per_traj", "hidden", "train_steps", "train_batch")
+
+
 def run(cfg: DictConfig) -> dict:
+    for key in COUNTS:
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise ValueError(f"{key} must be an int >= 1 (got {cfg[key]!r})")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)

@@ -196,6 +196,12 @@ def test_collector_example_smoke(tmp_path):
     assert result["versions"] == [[0], [1], [2]]  # each rollout served with the weights pushed after the last
     assert result["statistics"].failed_batches == 0
     assert (tmp_path / "reward.png").exists() and (tmp_path / "config.yaml").exists()
+    for override, message in (("workers=0", "workers must be"), ("frames_per_batch=0", "frames_per_batch must be")):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+            bad = compose(config_name="collector_pendulum", overrides=[override, f"out_dir={tmp_path / 'bad'}"])
+        with pytest.raises(ValueError, match=message + r" an int >= 1 \(got 0\)"):  # TorchRL's unpacking, a modulo
+            collector_pendulum.run(bad)
+    assert not (tmp_path / "bad").exists()  # refused before the run wrote anything
 
 
 def test_actors_demo_smoke():
@@ -205,6 +211,14 @@ def test_actors_demo_smoke():
     result = actors_demo.run(cfg)
     assert result["mismatches"] == 0 and result["requests"] == 120
     assert result["statistics"].requests == 120
+    for override, message in (
+        ("threads=0", r"threads \+ tasks must be at least 1"),
+        ("threads=-1", r"threads must be"),
+    ):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+            bad = compose(config_name="actors_demo", overrides=[override, "tasks=0"])
+        with pytest.raises(ValueError, match=message):  # a stack of no results failed at the end; -1 ran none
+            actors_demo.run(bad)
 
 
 def test_benchmark_quick_smoke(tmp_path):
