@@ -136,12 +136,13 @@ class LocalEndpoint:
             return self._other_process().submit(td, interaction)
         if caller is None:
             caller = threading.get_ident()
-        try:
-            hash(caller)  # the queue counts each caller's requests by it: else its serve loop died on it
-        except TypeError:
-            raise TypeError(
-                f"caller must be hashable: it names who waits (a str, an int, a tuple), got {caller!r}"
-            ) from None
+        else:
+            try:
+                hash(caller)  # the queue counts each caller's requests by it: else its serve loop died on it
+            except TypeError:
+                raise TypeError(
+                    f"caller must be hashable: it names who waits (a str, an int, a tuple), got {caller!r}"
+                ) from None
         request: FutureRequest = self._intake.request(FutureRequest, td, caller, interaction)
         self._intake.put(request)
         return request.future
