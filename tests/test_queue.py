@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from torchrl_batchserve.errors import BadRequestError, QueueFullError, ServerBrokenError, ServerClosedError
@@ -59,6 +61,28 @@ def test_timeout_fires_with_what_is_queued_and_forgets_absent_callers():
     q.done_serving([])
     q.put(R(caller="a"))  # b was forgotten on timeout: nobody known is idle now
     assert q.take_batch()[1] is FireReason.ALL_WAITING
+
+
+def test_callers_that_never_come_back_are_forgotten_though_every_batch_fills():
+    # Each request from a caller of its own (a gather of new asyncio tasks per step) and every batch full: no
+    # batch fired on timeout, and the queue kept every caller it had served as idle, one more per request.
+    timeout = 0.001
+    q = RequestQueue(max_batch_size=2, timeout=timeout)
+    for pair in range(50):
+        callers = [2 * pair, 2 * pair + 1]
+        for caller in callers:
+            q.put(R(caller=caller, enqueued_at=time.monotonic()))
+        assert q.take_batch()[1] is FireReason.FULL
+        q.done_serving(callers)
+    last = time.monotonic()
+    while time.monotonic() - last <= timeout:  # until every caller above was served over a timeout ago
+        pass
+    q.put(R(rows=2, caller="next", enqueued_at=time.monotonic()))
+    q.take_batch()
+    q.done_serving(["next"])
+    assert list(q._idle) == ["next"]  # the 100 others forgotten
+    q.put(R(caller="next", enqueued_at=time.monotonic()))
+    assert q._rule() is FireReason.ALL_WAITING  # nobody known is idle: no wait for the 100 that left
 
 
 def test_waits_while_a_known_caller_is_idle():

@@ -14,8 +14,10 @@ A caller is *known* once it has been served; it counts as *idle* from the
 moment its result is ready until it submits again (a caller with another
 request still queued is waiting, not idle). Rule 2 fires when no known
 caller is idle. A caller that does not come back before a batch fires on
-timeout is forgotten, so actors that leave never hold batches back for longer
-than one timeout.
+timeout, or within ``timeout`` of being served, is forgotten, so actors that
+leave never hold batches back for longer than one timeout, and those that
+never come back (finished asyncio tasks, ended threads) are not kept while
+every batch fills.
 
 Requests are taken whole and in arrival order, as many as fit both bounds; a
 request is split across forwards only when it alone exceeds ``max_batch_size``
@@ -40,7 +42,7 @@ import enum
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -100,7 +102,7 @@ class RequestQueue:
         self._items: deque[Request] = deque()
         self._rows = 0
         self._cost = 0
-        self._idle: set[Any] = set()
+        self._idle: OrderedDict[Any, float] = OrderedDict()  # caller -> when it was served, oldest first
         self._queued_by_caller: dict[Any, int] = {}
         self._closed = False
         self._free = set(range(runners))  # the replicas not running a batch now
@@ -149,7 +151,7 @@ class RequestQueue:
             self._cost += request.cost
             caller = request.caller
             self._queued_by_caller[caller] = self._queued_by_caller.get(caller, 0) + 1
-            self._idle.discard(caller)
+            self._idle.pop(caller, None)
             if not self._free:
                 return None  # done_serving() looks at the queue next
             fires = self._full() or not self._idle
@@ -168,8 +170,7 @@ class RequestQueue:
     def waiting(self, caller: Any) -> None:
         """``caller`` now waits on a request outside the queue (a coalesced row)."""
         with self._cond:
-            if caller in self._idle:
-                self._idle.discard(caller)
+            if self._idle.pop(caller, None) is not None:
                 if not self._idle and self._items and self._free:
                     self._cond.notify_all()  # all_waiting may hold now
 
@@ -215,7 +216,12 @@ class RequestQueue:
             self._free.add(replica)
             served = set(callers)
             self._solo = next(iter(served)) if len(served) == 1 else None
-            self._idle.update(served.difference(self._queued_by_caller))  # served, nothing queued
+            idle, now = self._idle, time.monotonic()
+            for caller in served.difference(self._queued_by_caller):  # served, nothing queued
+                idle[caller] = now
+                idle.move_to_end(caller)
+            while idle and now - next(iter(idle.values())) > self._timeout:
+                idle.popitem(last=False)  # not back within a timeout: forgotten
             if self._items or self._closed:
                 self._cond.notify_all()
 
