@@ -1407,3 +1407,20 @@ def test_full_batches_give_no_tuning_advice(policy, caplog, monkeypatch):
             for _ in range(16):
                 remote.submit(obs(4)).result(timeout=30)  # 4 rows: full at once
     assert not [r for r in caplog.records if "fire on the timeout" in r.getMessage()]
+
+
+def test_a_zero_timeout_gives_no_tuning_advice(policy, caplog, monkeypatch):
+    # every batch "fires on the timeout" at once there: the advice said to lower a timeout of 0 ms
+    from torchrl_batchserve import stats as stats_module
+
+    monkeypatch.setattr(stats_module, "ADVICE_BATCHES", 32)
+
+    async def one_task_after_another(remote) -> None:
+        for _ in range(100):  # each from a new task: the last one is still expected
+            await asyncio.create_task(remote.acall(obs()))
+
+    with caplog.at_level("WARNING", logger="torchrl_batchserve"):
+        with BatchedPolicyServer(policy, max_batch_size=64, timeout=0.0) as server:
+            asyncio.run(one_task_after_another(server.remote_policy()))
+            assert server.statistics().fired.get("timeout", 0) >= 90
+    assert not [r for r in caplog.records if "fire on the timeout" in r.getMessage()]

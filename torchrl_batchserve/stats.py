@@ -223,6 +223,8 @@ class StatisticsRecorder:
         now = time.monotonic()
         if on_timeout < 0.9 * batches or mean > self._max_batch_size / 4 or now - self._advised_at < ADVICE_INTERVAL:
             return None
+        if not self._timeout:  # timeout=0: no batch waited, and there is nothing to lower
+            return None
         self._advised_at = now
         return (
             f"most batches fire on the timeout far below max_batch_size: of the last {batches}, "
