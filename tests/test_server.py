@@ -1171,7 +1171,8 @@ def test_each_request_runs_under_its_callers_interaction_type():
         # a caller the queue cannot count by: it was queued, and the serve loop died on it, breaking the server
         with pytest.raises(TypeError, match=r"caller must be hashable: it names who waits .*, got \['relay'\]"):
             server.submit(obs(), caller=["relay"])
-        assert int(server.submit(obs(), caller=("relay", 1)).result(10)["seen"]) >= -1 and not server.closed
+        served = server.submit(obs(), caller=("relay", 1)).result(10)  # a hashable name is served
+        assert "seen" in served.keys() and not server.closed  # and the server serves on
 
 
 def test_a_batch_leaves_the_process_wide_interaction_type_as_the_callers_left_it(net):
