@@ -202,11 +202,16 @@ def test_torchrls_ppo_trainer_config_trains_the_served_module_and_serves_each_up
         server.close()
 
 
-def test_a_served_module_node_refuses_a_server_without_a_module_here():
+def test_a_served_module_node_refuses_a_server_without_a_module_here_and_every_node_one_that_is_no_server():
     node = {"_target_": "torchrl_batchserve.config.served_module", "server": {"_target_": "builtins.object"}}
     with pytest.raises(HydraException, match="built in this process, got object") as failed:
         instantiate(node)
     assert isinstance(failed.value.__cause__, TypeError)
+    for target in ("remote_policy", "weight_sync_scheme"):  # an AttributeError from inside them before
+        node = {"_target_": f"torchrl_batchserve.config.{target}", "server": 3}
+        with pytest.raises(HydraException, match=r"server must be a server node's server .*, got int: 3") as failed:
+            instantiate(node)
+        assert isinstance(failed.value.__cause__, TypeError)
 
 
 def test_a_wrong_value_fails_at_compose_time_naming_the_key(recipe_dir):

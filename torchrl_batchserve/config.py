@@ -256,12 +256,23 @@ def _named(name: str, policy: Any, kwargs: dict[str, Any], start: Callable[[], A
 
 def remote_policy(server: Any) -> Any:
     """``server.remote_policy()`` (a server node's, or a Ray server node's): the node of a collector's ``policy``."""
-    return server.remote_policy()
+    return _of_server(server, "remote_policy")()
 
 
 def weight_sync_scheme(server: Any) -> Any:
     """``server.weight_sync_scheme()`` (a server node's, or a Ray server node's): a collector's scheme."""
-    return server.weight_sync_scheme()
+    return _of_server(server, "weight_sync_scheme")()
+
+
+def _of_server(server: Any, method: str) -> Callable[[], Any]:
+    """``server``'s ``method``; a ``TypeError`` naming what ``server`` should be when it is no server."""
+    found = getattr(server, method, None)
+    if not callable(found):
+        raise TypeError(
+            f"server must be a server node's server (server/batchserve or server/batchserve_ray), "
+            f"got {type(server).__name__}: {server!r}"
+        )
+    return found
 
 
 def served_module(server: Any) -> torch.nn.Module:
