@@ -108,7 +108,8 @@ class StackCollate:
 
     Keyword Args:
         pin_memory: stage batches in pinned memory (the server sets it when it
-            serves a CUDA policy from CPU requests).
+            serves a CUDA policy from CPU requests). It needs a CUDA (or other
+            accelerator) device: without one, ``ValueError``.
 
     Examples:
         >>> import torch

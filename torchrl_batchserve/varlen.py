@@ -132,7 +132,12 @@ class PadCollate:
         mask_key: where the boolean mask goes; ``None`` writes none.
         trim_keys: outputs to cut back to each request's length along ``dim``.
         buckets: lengths to pad to; ``None`` pads to the batch maximum.
-        pad_values: per key, the padding value (default 0, False for bool).
+        pad_values: per key, the padding value, a number (default 0, False
+            for bool).
+
+    ``mask_key`` must differ from the padded ``keys`` (as ``PackCollate``'s
+    ``offsets_key`` and ``segment_ids_key`` must from its ``keys`` and from
+    each other): one would overwrite the other, so it is a ``ValueError``.
 
     Examples:
         >>> import torch
