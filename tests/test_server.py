@@ -1239,6 +1239,28 @@ def test_update_weights_stamps_new_version_on_results(policy, net):
     assert server.statistics().weight_updates == 2
 
 
+def test_statistics_count_the_rows_computed_with_weights_that_a_push_during_their_forward_made_old():
+    gated = GatedPolicy(make_mlp())
+    with BatchedPolicyServer(gated, max_batch_size=4, timeout=0.0) as server:
+        remote = server.remote_policy()
+        start = server.statistics()
+        running = remote.submit(obs(3))
+        assert gated.entered.wait(30)  # its forward runs with the weights of version 0
+        assert server.update_weights() == 1 and server.update_weights() == 2
+        gated.gate.set()
+        assert int(running.result(30)["policy_version"][0]) == 0
+        fresh = remote(obs(2))  # the next batch swaps version 2 in: nothing behind
+        assert int(fresh["policy_version"][0]) == 2
+        stats = server.statistics()
+        assert stats.policy_lag_histogram == {0: 2, 2: 3}
+        assert (stats.stale_rows, stats.max_policy_lag) == (3, 2)
+        assert stats.as_dict()["stale_rows"] == 3 and "stale_rows=3 max_policy_lag=2" in stats.summary()
+        remote(obs())
+        later = server.statistics(since=stats)
+        assert later.policy_lag_histogram == {0: 1} and (later.stale_rows, later.max_policy_lag) == (0, 0)
+        assert server.statistics(since=start).policy_lag_histogram == {0: 3, 2: 3}
+
+
 def test_torchrls_policy_age_filter_drops_rows_stamped_too_long_before_the_servers_version(policy):
     # TorchRL's bounded-staleness filter reads a live version (server.policy_version) and each row's stamp.
     from torchrl.data import LazyTensorStorage, ReplayBuffer

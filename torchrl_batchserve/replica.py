@@ -126,6 +126,11 @@ class Replica:
         """What its batches compute with: its version and mode (the cache's tag, as ``ShadowWeights.serving``)."""
         return self.version, self.mode
 
+    @property
+    def lag(self) -> int:
+        """How many versions its weights trail the newest staged (0 from its next batch on)."""
+        return self._weights.latest_version - self.version
+
     def refresh(self) -> None:
         """Serve the newest staged weights and training mode from this batch on (called between two batches)."""
         mode = self._weights.mode

@@ -343,7 +343,8 @@ class Serving:
         replica.batches += 1
         replica.rows += rows
         waits = [now - r.enqueued_at for r in group]
-        self.stats.batch(len(group), rows, reason.value, waits, time.perf_counter() - start, outcome[2] is None)
+        duration, lag = time.perf_counter() - start, replica.lag
+        self.stats.batch(len(group), rows, reason.value, waits, duration, outcome[2] is None, lag)
         return outcome
 
     def _run(self, replica: Replica, group: list[Request], rows: int, start: float) -> tuple[Any, float]:

@@ -37,6 +37,9 @@ class ReplicaStatistics:
     version: int
 
 
+_NOT_FLAT = ("batch_size_histogram", "fired", "replicas", "policy_lag_histogram", "sample_counts", "origin")
+
+
 @dataclass(frozen=True)
 class ServerStatistics:
     """A snapshot of what a server has done since it was built.
@@ -51,7 +54,10 @@ class ServerStatistics:
     ``uptime`` stops when the server has closed. ``policy_version`` is the
     latest version pushed; ``weight_updates`` counts the versions swapped in
     (by the first replica, at a batch): one pushed while a newer one waits is
-    never served, nor counted. ``as_dict()`` is flat,
+    never served, nor counted. ``policy_lag_histogram`` counts the rows
+    computed by how many versions their weights trailed the newest pushed
+    when their batch ended (a push during a forward makes its rows 1 behind);
+    ``stale_rows`` and ``max_policy_lag`` sum it up. ``as_dict()`` is flat,
     for loggers (:func:`log_statistics`); ``dataclasses.asdict`` works too.
 
     Examples:
@@ -86,17 +92,17 @@ class ServerStatistics:
     cache_coalesced: int = 0
     uptime: float = 0.0
     replicas: tuple[ReplicaStatistics, ...] = ()
+    policy_lag_histogram: Mapping[int, int] = field(default_factory=dict)
     sample_counts: tuple[int, int, int] = (0, 0, 0)  # waits, forwards, applies recorded so far: for since=
     origin: int = field(default=0, repr=False)  # the recorder that took it (0: a difference): for since=
 
     def as_dict(self) -> dict[str, float]:
         """The statistics as flat ``name: number`` pairs (``fired/<reason>``, ``replica<i>/<field>``)."""
         out: dict[str, float] = {
-            name: getattr(self, name)
-            for name in self.__dataclass_fields__
-            if name not in ("batch_size_histogram", "fired", "replicas", "sample_counts", "origin")
+            name: getattr(self, name) for name in self.__dataclass_fields__ if name not in _NOT_FLAT
         }
         out.update(mean_batch_size=self.mean_batch_size, cache_hit_rate=self.cache_hit_rate)
+        out.update(stale_rows=self.stale_rows, max_policy_lag=self.max_policy_lag)
         out.update({f"fired/{reason}": n for reason, n in self.fired.items()})
         for i, replica in enumerate(self.replicas):
             out.update({f"replica{i}/batches": replica.batches, f"replica{i}/rows": replica.rows})
@@ -107,6 +113,16 @@ class ServerStatistics:
     def mean_batch_size(self) -> float:
         """Rows per batch, on average."""
         return self.rows / self.batches if self.batches else 0.0
+
+    @property
+    def stale_rows(self) -> int:
+        """Rows computed with weights older than the newest pushed when their batch ended."""
+        return sum(rows for lag, rows in self.policy_lag_histogram.items() if lag)
+
+    @property
+    def max_policy_lag(self) -> int:
+        """The most versions that the weights of any row computed trailed the newest pushed."""
+        return max(self.policy_lag_histogram, default=0)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -123,7 +139,8 @@ class ServerStatistics:
             f"fired: {fired}\n"
             f"queue wait p50/p99: {self.queue_wait_p50 * 1e3:.3f}/{self.queue_wait_p99 * 1e3:.3f} ms, "
             f"forward p50/p99: {self.forward_p50 * 1e3:.3f}/{self.forward_p99 * 1e3:.3f} ms\n"
-            f"policy_version={self.policy_version} weight_updates={self.weight_updates}"
+            f"policy_version={self.policy_version} weight_updates={self.weight_updates} "
+            f"stale_rows={self.stale_rows} max_policy_lag={self.max_policy_lag}"
             + (
                 f"\ncache: hits={self.cache_hits} misses={self.cache_misses} "
                 f"coalesced={self.cache_coalesced} hit_rate={self.cache_hit_rate:.1%}"
@@ -184,6 +201,7 @@ class StatisticsRecorder:
         self._failed = 0
         self._rejected = 0
         self._sizes: Counter[int] = Counter()
+        self._lags: Counter[int] = Counter()  # rows by versions behind the newest pushed
         self._fired: Counter[str] = Counter()
         self._waits: deque[float] = deque(maxlen=window)
         self._forwards: deque[float] = deque(maxlen=window)
@@ -192,12 +210,15 @@ class StatisticsRecorder:
         self._origin = random.SystemRandom().getrandbits(63) | 1  # this server's, in its snapshots (pickled too)
         self._weight_updates = 0
 
-    def batch(self, requests: int, rows: int, reason: str, waits: Iterable[float], forward: float, ok: bool) -> None:
+    def batch(
+        self, requests: int, rows: int, reason: str, waits: Iterable[float], forward: float, ok: bool, lag: int = 0
+    ) -> None:
         with self._lock:
             self._requests += requests
             self._rows += rows
             self._batches += 1
             self._sizes[rows] += 1
+            self._lags[lag] += rows
             self._fired[reason] += 1
             waits = list(waits)
             self._waits.extend(waits)
@@ -290,6 +311,7 @@ class StatisticsRecorder:
                 cache_coalesced=cache.coalesced if cache is not None else 0,
                 uptime=(time.monotonic() if self._ended is None else self._ended) - self._started,
                 replicas=replicas,
+                policy_lag_histogram=dict(sorted(self._lags.items())),
                 sample_counts=samples,  # type: ignore[arg-type]
                 origin=self._origin,
             )
@@ -327,5 +349,6 @@ def _difference(now: ServerStatistics, since: ServerStatistics) -> ServerStatist
         batch_size_histogram=less(now.batch_size_histogram, since.batch_size_histogram),
         fired=less(now.fired, since.fired),
         replicas=replicas,
+        policy_lag_histogram=less(now.policy_lag_histogram, since.policy_lag_histogram),
         origin=0,
     )
