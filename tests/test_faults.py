@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import gc
 import os
 import pickle
@@ -690,6 +691,102 @@ def test_a_blocking_call_from_a_done_callback_in_the_serve_loop_is_refused_not_h
         assert isinstance(outcome[0], BatchServeError) and "serve loop" in str(outcome[0])
         assert remote(obs())["logits"].shape == (3,)  # and it serves on
         future.result(10)
+
+
+class CallsItsServer(TensorDictModuleBase):
+    """A policy whose forward of a batch holding a marked row (first feature > 100) runs ``hooks["action"]()``.
+
+    The served copy shares ``hooks``, where the forward also leaves the thread that ran it and sets
+    ``hooks["entered"]``.
+    """
+
+    def __init__(self, net: torch.nn.Module, hooks: dict | None = None):
+        super().__init__()
+        self.in_keys, self.out_keys = ["observation"], ["logits"]
+        self.net = net
+        self.hooks = {"entered": threading.Event()} if hooks is None else hooks
+
+    def __deepcopy__(self, memo):
+        return type(self)(copy.deepcopy(self.net, memo), self.hooks)
+
+    def forward(self, td):
+        if bool((td["observation"][..., 0] > 100).any()):
+            self.hooks["thread"] = threading.current_thread()
+            self.hooks["entered"].set()
+            self.hooks["action"]()
+        td.set("logits", self.net(td["observation"]))
+        return td
+
+
+def marked() -> TensorDict:
+    td = obs()
+    td["observation"][0] = 1000.0
+    return td
+
+
+def test_a_blocking_call_to_its_own_server_from_a_forward_that_a_lone_caller_runs_is_refused_not_hung():
+    policy = CallsItsServer(make_mlp())
+    outcome: list = []
+
+    def call_again() -> None:
+        try:
+            outcome.append(remote(obs()))
+        except BaseException as err:
+            outcome.append(err)
+
+    policy.hooks["action"] = call_again
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        remote(obs())  # this thread is the server's only caller now: it runs its next batch itself
+        assert remote(marked())["logits"].shape == (3,)
+        assert policy.hooks["thread"] is threading.current_thread()
+        assert isinstance(outcome[0], BatchServeError) and "inside a batch of this server" in str(outcome[0])
+        assert remote(obs())["logits"].shape == (3,)  # and it serves on
+
+
+def test_close_from_a_forward_that_a_lone_caller_runs_neither_waits_for_itself_nor_drops_what_is_queued():
+    net = make_mlp()
+    policy = CallsItsServer(net)
+    queued = threading.Event()
+    closed: list = []
+    policy.hooks["action"] = lambda: closed.append(queued.wait(20) and server.close())
+    x = torch.randn(8)
+
+    def queue_one() -> None:
+        assert policy.hooks["entered"].wait(20)
+        future = remote.submit(TensorDict(observation=x))  # queued behind the running batch
+        queued.set()
+        results.append(future.result(20))
+
+    results: list = []
+    with BatchedPolicyServer(policy) as server:
+        remote = server.remote_policy()
+        remote(obs())  # this thread is the server's only caller now: it runs its next batch itself
+        other = threading.Thread(target=queue_one)
+        other.start()
+        assert remote(marked())["logits"].shape == (3,)
+        other.join(30)
+        assert policy.hooks["thread"] is threading.current_thread()
+        assert closed == [False]  # it could not wait for the serve loop, which waits for this batch
+        with torch.no_grad():
+            torch.testing.assert_close(results[0]["logits"], net(x))  # served as a close serves what is queued
+        assert server.close(timeout=20)
+        with pytest.raises(ServerClosedError):
+            remote(obs())
+
+
+def test_close_from_a_done_callback_in_the_serve_loop_serves_what_is_queued():
+    gated = GatedPolicy(make_mlp(), block_first=1)
+    closed: list = []
+    with BatchedPolicyServer(gated, max_batch_size=8) as server:
+        remote = server.remote_policy()
+        first = remote.submit(obs())
+        assert gated.entered.wait(10)
+        first.add_done_callback(lambda _future: closed.append(server.close()))  # runs in the serve loop
+        queued = [remote.submit(obs()) for _ in range(3)]
+        gated.gate.set()
+        assert [f.result(20)["logits"].shape for f in queued] == [(3,)] * 3  # not failed as given up on
+        assert closed == [False] and server.close(timeout=20)
 
 
 def test_a_done_callback_in_the_serve_loop_runs_with_grad_on_as_in_any_thread():

@@ -47,7 +47,7 @@ from torchrl_batchserve.replica import Replica, tensors
 from torchrl_batchserve.request import Relay, Request, fail_all, resolve
 from torchrl_batchserve.stats import StatisticsRecorder
 
-__all__ = ["Serving", "in_serve_loop", "owned"]
+__all__ = ["Serving", "owned", "serving_here"]
 
 _log = logging.getLogger(__name__)
 
@@ -55,14 +55,18 @@ Outcome = tuple[list[Request], Any, BaseException | None]  # (requests, their co
 
 
 class _LoopThread(threading.local):
-    serving: Serving | None = None  # the Serving whose serve loop the thread runs (a class default: no exception)
+    # The Serving whose serve loop the thread runs, or whose batch a lone caller's thread runs now (a class
+    # default: no exception).
+    serving: Serving | None = None
 
 
 _LOOP_THREAD = _LoopThread()
 
 
-def in_serve_loop(serving: Serving) -> bool:
-    """Whether the calling thread runs a serve loop of ``serving`` (e.g. a submit's done-callback, run there)."""
+def serving_here(serving: Serving) -> bool:
+    """Whether the calling thread runs a serve loop of ``serving`` (a submit's done-callback, run there) or one
+    of its batches (a policy's forward, run by a lone caller): nothing it waits for can be served until it returns.
+    """
     return _LOOP_THREAD.serving is serving
 
 
@@ -219,10 +223,8 @@ class Serving:
     def join(self, timeout: float | None) -> bool:
         """Wait at most ``timeout`` seconds in all for the serve loops to end; whether they did."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        me = threading.current_thread()  # close() from a done-callback runs in a serve thread
         for thread in self.threads:
-            if thread is not me:
-                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not self.alive()
 
     def loop(self, replica: Replica) -> None:
@@ -302,6 +304,7 @@ class Serving:
         """Run one batch taken from the queue on ``replica`` and complete every request in it."""
         outcomes: list[Outcome] = []
         followers: list[Outcome] = []
+        running, _LOOP_THREAD.serving = _LOOP_THREAD.serving, self  # (a lone caller's thread: while it runs it)
         try:
             with torch.no_grad():  # the batch only: a submit's done-callbacks run below, in the thread's own mode
                 live = self._claim(requests)
@@ -309,6 +312,7 @@ class Serving:
                 outcomes = [self._run_group(replica, group, reason) for group in _groups(live)]
                 followers = self._followers(outcomes, replica)
         finally:
+            _LOOP_THREAD.serving = running
             callers = [r.caller for r in requests] + [r.caller for group, _, _ in followers for r in group]
             self.queue.done_serving(callers, replica.index)  # idle before they wake
         for group, columns, error in outcomes + followers:

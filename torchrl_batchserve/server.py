@@ -40,7 +40,7 @@ from torchrl_batchserve.layout import Layout, layout_of
 from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.remote import RemotePolicy, primers_of
 from torchrl_batchserve.replica import Replica, served_copy
-from torchrl_batchserve.serve import Serving
+from torchrl_batchserve.serve import Serving, serving_here
 from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder, check_since
 from torchrl_batchserve.transport.local import LazyHub, LocalEndpoint
 from torchrl_batchserve.varlen import PackCollate, as_key
@@ -516,10 +516,14 @@ class BatchedPolicyServer(TensorDictModule):
         are served first, unless ``cancel_pending`` fails them with that
         error. Idempotent. With ``wait``, blocks at most ``timeout`` seconds
         in all (``None``: until the loops stop); when it gives up, every
-        request still queued fails with ``ServerClosedError``.
+        request still queued fails with ``ServerClosedError``. Called from
+        inside a batch of this server (its policy's forward, a submit's
+        done-callback), it closes as with ``wait=False``: no serve loop can
+        stop before that batch is done.
         """
         if timeout is not None:
             timeout = check_seconds("timeout", timeout)  # before anything closes: a bad call changes nothing
+        wait = wait and not serving_here(self._serving)
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:

@@ -14,7 +14,7 @@ from tensordict import TensorDictBase
 from torchrl_batchserve.errors import BatchServeError, ServerBrokenError, ServerClosedError
 from torchrl_batchserve.intake import CURRENT, Intake
 from torchrl_batchserve.request import AsyncRequest, BlockingRequest, FutureRequest
-from torchrl_batchserve.serve import Serving, in_serve_loop
+from torchrl_batchserve.serve import Serving, serving_here
 from torchrl_batchserve.transport.hub import ProcessHub
 
 __all__ = ["LazyHub", "LocalEndpoint"]
@@ -119,10 +119,11 @@ class LocalEndpoint:
         """Serve ``td`` and block until its outputs are written into it."""
         if not self._here():
             return self._other_process().call(td)
-        if in_serve_loop(self._serving):
+        if serving_here(self._serving):
             raise BatchServeError(
-                "a blocking call from a serve loop's own thread (a submit's done-callback runs there) would wait "
-                "for itself; call submit() or acall() there, or hand the call to another thread"
+                "a blocking call from a serve loop's own thread (a submit's done-callback runs there), or from "
+                "inside a batch of this server (its policy's forward), would wait for itself; call submit() or "
+                "acall() there, or hand the call to another thread"
             )
         request: BlockingRequest = self._intake.request(BlockingRequest, td, threading.get_ident())
         taken = self._intake.put(request, may_serve=_serves_as_a_serve_thread)
