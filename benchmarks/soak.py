@@ -334,7 +334,9 @@ def resources() -> dict[str, Any]:
         "rss_mb": rss,
         "fds": len(os.listdir("/proc/self/fd")),
         "fd_targets": sorted(_target(fd) for fd in os.listdir("/proc/self/fd")),
-        "threads": len(os.listdir("/proc/self/task")),
+        # the process's reaper left out: started with the first server, it lives as long as the process
+        "threads": len(os.listdir("/proc/self/task"))
+        - sum(t.name == "batchserve-reaper" for t in threading.enumerate()),
         "dev_shm": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0,
     }
 
@@ -481,7 +483,8 @@ _INTRO = (
     "with SIGKILL a second into the run. With modes, the worker processes run under interaction types of their "
     "own (RANDOM, DETERMINISTIC), the other actors under none, and the policy adds an offset per type: a row "
     "served under another caller's type is wrong. Entries in /dev/shm are every program's (leftovers of others "
-    "included): close must leave as many as there were before the server."
+    "included): close must leave as many as there were before the server. Threads leave out the one a "
+    "process keeps from its first server on (it closes servers dropped without close)."
 )
 
 

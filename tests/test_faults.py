@@ -36,6 +36,7 @@ from torchrl_batchserve import (
 )
 from torchrl_batchserve.errors import own_copy
 from torchrl_batchserve.intake import Intake
+from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.request import BlockingRequest, Relay
 from torchrl_batchserve.transport.hub import _Client
 
@@ -444,7 +445,8 @@ def test_a_server_dropped_without_close_ends_its_threads_and_releases_its_socket
     release.set()
     for t in [*threads, caller]:
         t.join(10)
-    assert not any(t.is_alive() for t in threads) and not os.path.exists(folder)
+    assert not any(t.is_alive() for t in threads)
+    wait_for(lambda: not os.path.exists(folder), "the hub's folder removed")  # by the reaper, after its threads end
     assert isinstance(outcome[0], ServerClosedError)
     assert not [fd for fd, inode in pipe.items() if inode == _inode(fd)]  # closed by the reader on its way out
 
@@ -470,6 +472,41 @@ def test_a_remote_policy_keeps_its_server_serving_after_the_last_other_reference
     del remote
     gc.collect()
     assert ref() is None  # the last RemotePolicy gone: the server is collected, its finalizer ends its loops
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_a_server_collected_inside_its_serve_loops_queue_lock_fails_what_is_queued_rather_than_hang(monkeypatch):
+    # A server in a reference cycle is collected inside whichever allocation of whichever thread runs the garbage
+    # collector: here one in its serve loop, under its queue's lock, which the finalizer waited for forever.
+    pop = RequestQueue._pop
+
+    def collecting(self):
+        gc.collect()  # what any allocation made here may run
+        return pop(self)
+
+    gated = GatedPolicy(make_mlp())
+    server = BatchedPolicyServer(gated, max_batch_size=2)
+    remote, ref, threads = server.remote_policy(), weakref.ref(server), list(server._serving.threads)
+    first = remote.submit(obs())
+    assert gated.entered.wait(10)
+    futures = [first, *(remote.submit(obs()) for _ in range(4))]
+    gc.disable()
+    try:
+        monkeypatch.setattr(RequestQueue, "_pop", collecting)
+        del server, remote
+        assert ref() is not None  # a cycle: only a collection frees it
+        gated.gate.set()
+        outcomes = []
+        for future in futures:
+            try:
+                outcomes.append(future.result(20)["logits"].shape)
+            except ServerClosedError:
+                outcomes.append("closed")
+    finally:
+        gc.enable()
+    assert ref() is None and outcomes[0] == (3,) and "closed" in outcomes
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads)

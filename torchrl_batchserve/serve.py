@@ -9,8 +9,8 @@ Every request, from any transport, goes this way. :class:`Serving` holds
 what all replicas share (the queue, the layout, the collate, the cache,
 the statistics) and runs :meth:`Serving.loop` once per replica, in a serve
 thread of that replica's own. It holds no reference to the server, so a
-server that is dropped without ``close()`` can be collected (its finalizer
-closes the queue and the loops end).
+server that is dropped without ``close()`` can be collected (the reaper its
+finalizer hands it to closes the queue, and the loops end).
 
 Results are owned by their callers: a value handed out never shares memory
 with the served parameters, the batch's inputs or a buffer the policy keeps

@@ -13,6 +13,7 @@ This file checks the arguments, builds the parts and closes them.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -23,6 +24,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from queue import SimpleQueue
 from typing import Any
 
 import torch
@@ -438,7 +440,10 @@ class BatchedPolicyServer(TensorDictModule):
         self._serving.start(self._replicas)
         # Dropped without close() (and no RemotePolicy left in this process): the loops end, queued requests
         # fail, the hub goes (they never hold the server).
-        self._finalizer = weakref.finalize(self, _abandon, self._queue, self._serving, self._endpoint.lazy_hub)
+        self._finalizer = weakref.finalize(
+            self, _collected, os.getpid(), self._queue, self._serving, self._endpoint.lazy_hub
+        )
+        _start_reaper()
         _SERVERS.add(self)
 
     # -- the module face -------------------------------------------------------
@@ -661,6 +666,55 @@ def _abandon(queue: RequestQueue, serving: Serving, hub: LazyHub) -> None:
     hub.close(0.0)
 
 
+# A server in a reference cycle is collected inside whichever allocation of whichever thread the garbage
+# collector runs in: a serve loop holding its queue's lock, say, which _abandon would then wait for forever.
+# So its finalizer only puts its parts in a queue whose put may interrupt another (SimpleQueue's), and one
+# thread of the process, the reaper, abandons them. At exit, once the reaper may no longer run, the
+# finalizers of the servers still alive abandon them themselves (atexit, in the main thread).
+_abandoned: SimpleQueue = SimpleQueue()
+_reaper: threading.Thread | None = None
+_reaper_lock = threading.Lock()
+_exiting = False
+
+
+def _collected(pid: int, queue: RequestQueue, serving: Serving, hub: LazyHub) -> None:
+    """The finalizer of a server: collected without ``close()``, or alive at exit."""
+    if os.getpid() != pid:
+        return  # a forked child's copy: its serve loops and hub are its parent's
+    if _exiting:
+        _abandon(queue, serving, hub)
+    else:
+        _abandoned.put((queue, serving, hub))
+
+
+def _reap() -> None:
+    while True:
+        _abandon(*_abandoned.get())
+
+
+def _start_reaper() -> None:
+    """Start the process's reaper, if none runs; called after a server's finalizer is made."""
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None:
+            atexit.unregister(_at_exit)
+            atexit.register(_at_exit)  # after weakref's own hook, made with the first finalizer: so it runs first
+            _reaper = threading.Thread(target=_reap, name="batchserve-reaper", daemon=True)
+            _reaper.start()
+
+
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+    while not _abandoned.empty():
+        _abandon(*_abandoned.get())
+
+
+def _forget_reaper_in_child() -> None:
+    global _abandoned, _reaper
+    _abandoned, _reaper = SimpleQueue(), None  # the parent's: a server made here starts the child's own
+
+
 # A RemotePolicy inherited by fork (not pickled) must find its server's hub in
 # the child: before any fork, every running server starts its hub. One hook
 # for the process, over the servers alive now.
@@ -676,4 +730,4 @@ def _before_fork() -> None:
             _log.exception("could not start the process hub of a %s before fork", type(server).__name__)
 
 
-os.register_at_fork(before=_before_fork)
+os.register_at_fork(before=_before_fork, after_in_child=_forget_reaper_in_child)
