@@ -711,8 +711,9 @@ def _at_exit() -> None:
 
 
 def _forget_reaper_in_child() -> None:
-    global _abandoned, _reaper
-    _abandoned, _reaper = SimpleQueue(), None  # the parent's: a server made here starts the child's own
+    global _abandoned, _reaper, _reaper_lock
+    # The parent's (its lock perhaps held by another of its threads): a server made here starts the child's own.
+    _abandoned, _reaper, _reaper_lock = SimpleQueue(), None, threading.Lock()
 
 
 # A RemotePolicy inherited by fork (not pickled) must find its server's hub in
