@@ -17,7 +17,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import GatedPolicy, make_mlp, obs, wait_for
+from conftest import GatedPolicy, make_mlp, no_thread_named, obs, wait_for
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 
@@ -510,6 +510,24 @@ def test_a_server_collected_inside_its_serve_loops_queue_lock_fails_what_is_queu
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_a_server_whose_second_serve_thread_cannot_start_raises_and_leaves_no_thread_waiting(monkeypatch):
+    policy = TensorDictModule(make_mlp(), in_keys=["observation"], out_keys=["logits"])
+    started: list = []
+    start = threading.Thread.start
+
+    def recorded(thread):
+        if thread.name.startswith("batchserve-replica"):
+            started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", recorded)
+    with no_thread_named("batchserve-replica-1"), pytest.raises(RuntimeError, match="can't start new thread"):
+        BatchedPolicyServer(policy, device=["cpu", "cpu"])
+    assert [t.name for t in started] == ["batchserve-replica-0"]
+    started[0].join(10)
+    assert not started[0].is_alive()  # it waited for requests forever
 
 
 def test_a_hub_client_dropped_twice_closes_no_descriptor_that_reused_its_numbers():

@@ -437,13 +437,17 @@ class BatchedPolicyServer(TensorDictModule):
         self._endpoint = LocalEndpoint(self._intake, self._serving, self)
         self._lifecycle = threading.Lock()
         self._receivers: list[WeightReceiver] = []
-        self._serving.start(self._replicas)
         # Dropped without close() (and no RemotePolicy left in this process): the loops end, queued requests
         # fail, the hub goes (they never hold the server).
         self._finalizer = weakref.finalize(
             self, _collected, os.getpid(), self._queue, self._serving, self._endpoint.lazy_hub
         )
         _start_reaper()
+        try:
+            self._serving.start(self._replicas)
+        except BaseException:  # a thread that cannot start (a container's process limit): none stays waiting
+            self._queue.close()
+            raise
         _SERVERS.add(self)
 
     # -- the module face -------------------------------------------------------
