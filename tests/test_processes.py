@@ -1297,6 +1297,28 @@ def test_a_forked_childs_exit_leaves_its_parents_weight_group_alone():
         trainer.close()
 
 
+def test_a_server_dropped_without_close_leaves_its_weight_group_so_the_trainers_next_push_fails():
+    # Its receiver took every later push for a server nobody could reach: the trainer never heard it was gone.
+    from torchrl_batchserve import WeightBroadcaster
+
+    server = BatchedPolicyServer(TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"]))
+    port = free_port()
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(WeightBroadcaster, "127.0.0.1", port, 2, timeout=3)
+        receiver = server.receive_weights("127.0.0.1", port, 1, 2, timeout=10)
+        trainer = joining.result(timeout=60)
+    try:
+        assert trainer.push(TensorDictModule(pw.make_net(1), in_keys=["observation"], out_keys=["logits"])) == 1
+        serve_until(server.remote_policy(), 1)
+        del server
+        gc.collect()
+        wait_for(lambda: not receiver.alive, "the collected server's receiver to stop")
+        with pytest.raises(WeightSyncError, match="pushing version 2 failed"):
+            trainer.push(TensorDictModule(pw.make_net(2), in_keys=["observation"], out_keys=["logits"]))
+    finally:
+        trainer.close()
+
+
 def test_a_push_to_a_dead_server_fails_instead_of_hanging():
     from torchrl_batchserve import WeightBroadcaster
 

@@ -440,7 +440,7 @@ class BatchedPolicyServer(TensorDictModule):
         # Dropped without close() (and no RemotePolicy left in this process): the loops end, queued requests
         # fail, the hub goes (they never hold the server).
         self._finalizer = weakref.finalize(
-            self, _collected, os.getpid(), self._queue, self._serving, self._endpoint.lazy_hub
+            self, _collected, os.getpid(), self._queue, self._serving, self._endpoint.lazy_hub, self._receivers
         )
         _start_reaper()
         try:
@@ -540,7 +540,8 @@ class BatchedPolicyServer(TensorDictModule):
 
         with self._lifecycle:
             pending = self._queue.close(cancel_pending)
-            receivers, self._receivers = self._receivers, []
+            receivers = list(self._receivers)
+            self._receivers.clear()  # in place: the finalizer holds the list
         self._serving.fail_closed(pending)
         for receiver in receivers:
             receiver.close((2.0 if deadline is None else left() or 0.0) if wait else 0.0)
@@ -663,11 +664,16 @@ class BatchedPolicyServer(TensorDictModule):
         return self._stats.snapshot(self._weights.latest_version, self.cache, replicas, since)
 
 
-def _abandon(queue: RequestQueue, serving: Serving, hub: LazyHub) -> None:
-    """A server collected without ``close()``: fail what is queued, end its loops and its hub."""
+def _abandon(queue: RequestQueue, serving: Serving, hub: LazyHub, receivers: list[WeightReceiver]) -> None:
+    """A server collected without ``close()``: fail what is queued, end its loops, its hub and its weight groups.
+
+    A group member that stops receiving fails the trainer's next push, rather than take it for nobody.
+    """
     serving.fail_closed(queue.close(cancel_pending=True))
     serving.close()
     hub.close(0.0)
+    for receiver in receivers:
+        receiver.close(0.0)
 
 
 # A server in a reference cycle is collected inside whichever allocation of whichever thread the garbage
@@ -681,14 +687,15 @@ _reaper_lock = threading.Lock()
 _exiting = False
 
 
-def _collected(pid: int, queue: RequestQueue, serving: Serving, hub: LazyHub) -> None:
-    """The finalizer of a server: collected without ``close()``, or alive at exit."""
+def _collected(pid: int, *parts: Any) -> None:
+    """The finalizer of a server (``parts``: :func:`_abandon`'s arguments): collected without ``close()``, or
+    alive at exit."""
     if os.getpid() != pid:
         return  # a forked child's copy: its serve loops and hub are its parent's
     if _exiting:
-        _abandon(queue, serving, hub)
+        _abandon(*parts)
     else:
-        _abandoned.put((queue, serving, hub))
+        _abandoned.put(parts)
 
 
 def _reap() -> None:
