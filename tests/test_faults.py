@@ -799,6 +799,20 @@ def test_a_blocking_call_to_its_own_server_from_a_forward_that_a_lone_caller_run
         assert remote(obs())["logits"].shape == (3,)  # and it serves on
 
 
+def test_a_forward_that_a_lone_caller_runs_inside_another_servers_forward_may_not_call_back_into_that_server():
+    # A's forward calls B, whose batch this thread runs too, and B's forward calls A: A's replica is this thread's.
+    first, second = CallsItsServer(make_mlp()), CallsItsServer(make_mlp())
+    first.hooks["action"] = lambda: remote_b(marked())
+    second.hooks["action"] = lambda: remote_a(obs())
+    with BatchedPolicyServer(first) as a, BatchedPolicyServer(second) as b:
+        remote_a, remote_b = a.remote_policy(), b.remote_policy()
+        remote_a(obs()), remote_b(obs())  # this thread is each server's only caller: it runs their next batches
+        with pytest.raises(BatchServeError, match="inside a batch of this server"):
+            remote_a(marked())
+        assert first.hooks["thread"] is second.hooks["thread"] is threading.current_thread()
+        assert remote_a(obs())["logits"].shape == remote_b(obs())["logits"].shape == (3,)  # both serve on
+
+
 def test_close_from_a_forward_that_a_lone_caller_runs_neither_waits_for_itself_nor_drops_what_is_queued():
     net = make_mlp()
     policy = CallsItsServer(net)

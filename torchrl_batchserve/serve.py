@@ -55,9 +55,9 @@ Outcome = tuple[list[Request], Any, BaseException | None]  # (requests, their co
 
 
 class _LoopThread(threading.local):
-    # The Serving whose serve loop the thread runs, or whose batch a lone caller's thread runs now (a class
-    # default: no exception).
-    serving: Serving | None = None
+    # The Servings whose serve loop the thread runs, or whose batch it runs now: a lone caller's, or one a forward
+    # of another server made (a class default: no exception).
+    inside: tuple[Serving, ...] = ()
 
 
 _LOOP_THREAD = _LoopThread()
@@ -65,9 +65,10 @@ _LOOP_THREAD = _LoopThread()
 
 def serving_here(serving: Serving) -> bool:
     """Whether the calling thread runs a serve loop of ``serving`` (a submit's done-callback, run there) or one
-    of its batches (a policy's forward, run by a lone caller): nothing it waits for can be served until it returns.
+    of its batches (a policy's forward, run by a lone caller, perhaps inside another server's forward): nothing
+    it waits for can be served until it returns.
     """
-    return _LOOP_THREAD.serving is serving
+    return serving in _LOOP_THREAD.inside
 
 
 def _refs(value: Any) -> int:
@@ -232,7 +233,7 @@ class Serving:
         # torch applies set_num_threads to a thread only once it asks; until
         # then MKL would run this thread's GEMMs on a team of one thread per core.
         torch.get_num_threads()
-        _LOOP_THREAD.serving = self
+        _LOOP_THREAD.inside = (self,)
         while True:
             taken = self.queue.take_batch(replica.index)
             if taken is None:
@@ -304,7 +305,8 @@ class Serving:
         """Run one batch taken from the queue on ``replica`` and complete every request in it."""
         outcomes: list[Outcome] = []
         followers: list[Outcome] = []
-        running, _LOOP_THREAD.serving = _LOOP_THREAD.serving, self  # (a lone caller's thread: while it runs it)
+        inside = _LOOP_THREAD.inside
+        _LOOP_THREAD.inside = inside + (self,)  # (a lone caller's thread: while it runs it)
         try:
             with torch.no_grad():  # the batch only: a submit's done-callbacks run below, in the thread's own mode
                 live = self._claim(requests)
@@ -312,7 +314,7 @@ class Serving:
                 outcomes = [self._run_group(replica, group, reason) for group in _groups(live)]
                 followers = self._followers(outcomes, replica)
         finally:
-            _LOOP_THREAD.serving = running
+            _LOOP_THREAD.inside = inside
             callers = [r.caller for r in requests] + [r.caller for group, _, _ in followers for r in group]
             self.queue.done_serving(callers, replica.index)  # idle before they wake
         for group, columns, error in outcomes + followers:
