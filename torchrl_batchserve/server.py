@@ -700,7 +700,11 @@ def _collected(pid: int, *parts: Any) -> None:
 
 def _reap() -> None:
     while True:
-        _abandon(*_abandoned.get())
+        parts = _abandoned.get()
+        try:
+            _abandon(*parts)
+        except Exception:  # the next one is still closed
+            _log.exception("could not close a server collected without close()")
 
 
 def _start_reaper() -> None:
