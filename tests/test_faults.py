@@ -10,6 +10,8 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -528,6 +530,31 @@ def test_a_server_whose_second_serve_thread_cannot_start_raises_and_leaves_no_th
     assert [t.name for t in started] == ["batchserve-replica-0"]
     started[0].join(10)
     assert not started[0].is_alive()  # it waited for requests forever
+
+
+def test_a_program_that_exits_while_an_unclosed_servers_forward_runs_exits_cleanly():
+    # The serve thread was ended inside torch as the interpreter finalized: "terminate called without an active
+    # exception", and the process aborted (exit code 134) on Python 3.11-3.13.
+    script = (
+        "import threading, torch\n"
+        "from tensordict import TensorDict\n"
+        "from tensordict.nn import TensorDictModule\n"
+        "from torchrl_batchserve import BatchedPolicyServer\n"
+        "entered = threading.Event()\n"
+        "class Slow(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        entered.set()\n"
+        "        a = torch.randn(600, 600)\n"
+        "        for _ in range(30):\n"
+        "            a = a @ a / 600\n"
+        "        return x[..., :2] + a[0, 0]\n"
+        "server = BatchedPolicyServer(TensorDictModule(Slow(), ['observation'], ['logits']))\n"
+        "future = server.remote_policy().submit(TensorDict(observation=torch.randn(4)))\n"
+        "assert entered.wait(30)\n"
+        "print('exits while the forward runs')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, "exits while the forward runs"), out.stderr[-2000:]
 
 
 def test_a_hub_client_dropped_twice_closes_no_descriptor_that_reused_its_numbers():

@@ -664,16 +664,25 @@ class BatchedPolicyServer(TensorDictModule):
         return self._stats.snapshot(self._weights.latest_version, self.cache, replicas, since)
 
 
-def _abandon(queue: RequestQueue, serving: Serving, hub: LazyHub, receivers: list[WeightReceiver]) -> None:
+def _abandon(
+    queue: RequestQueue, serving: Serving, hub: LazyHub, receivers: list[WeightReceiver], wait: float = 0.0
+) -> None:
     """A server collected without ``close()``: fail what is queued, end its loops, its hub and its weight groups.
 
     A group member that stops receiving fails the trainer's next push, rather than take it for nobody.
+    ``wait``: the seconds its running forwards get to end (at exit: see :data:`EXIT_WAIT`).
     """
     serving.fail_closed(queue.close(cancel_pending=True))
     serving.close()
     hub.close(0.0)
     for receiver in receivers:
         receiver.close(0.0)
+    serving.join(wait)
+
+
+# At exit, the seconds a server left unclosed gets for the forwards it runs: a daemon thread still inside torch
+# when the interpreter finalizes is ended there (pthread_exit, Python <= 3.13), which aborts the process.
+EXIT_WAIT = 10.0
 
 
 # A server in a reference cycle is collected inside whichever allocation of whichever thread the garbage
@@ -681,21 +690,20 @@ def _abandon(queue: RequestQueue, serving: Serving, hub: LazyHub, receivers: lis
 # So its finalizer only puts its parts in a queue whose put may interrupt another (SimpleQueue's), and one
 # thread of the process, the reaper, abandons them. At exit, once the reaper may no longer run, the
 # finalizers of the servers still alive abandon them themselves (atexit, in the main thread).
-_abandoned: SimpleQueue = SimpleQueue()
+_abandoned: SimpleQueue[tuple[RequestQueue, Serving, LazyHub, list]] = SimpleQueue()
 _reaper: threading.Thread | None = None
 _reaper_lock = threading.Lock()
 _exiting = False
 
 
-def _collected(pid: int, *parts: Any) -> None:
-    """The finalizer of a server (``parts``: :func:`_abandon`'s arguments): collected without ``close()``, or
-    alive at exit."""
+def _collected(pid: int, queue: RequestQueue, serving: Serving, hub: LazyHub, receivers: list) -> None:
+    """The finalizer of a server: collected without ``close()``, or alive at exit."""
     if os.getpid() != pid:
         return  # a forked child's copy: its serve loops and hub are its parent's
     if _exiting:
-        _abandon(*parts)
+        _abandon(queue, serving, hub, receivers, wait=EXIT_WAIT)
     else:
-        _abandoned.put(parts)
+        _abandoned.put((queue, serving, hub, receivers))
 
 
 def _reap() -> None:
@@ -722,7 +730,7 @@ def _at_exit() -> None:
     global _exiting
     _exiting = True
     while not _abandoned.empty():
-        _abandon(*_abandoned.get())
+        _abandon(*_abandoned.get(), wait=EXIT_WAIT)
 
 
 def _forget_reaper_in_child() -> None:
