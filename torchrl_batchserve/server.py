@@ -670,18 +670,20 @@ def _abandon(
     """A server collected without ``close()``: fail what is queued, end its loops, its hub and its weight groups.
 
     A group member that stops receiving fails the trainer's next push, rather than take it for nobody.
-    ``wait``: the seconds its running forwards get to end (at exit: see :data:`EXIT_WAIT`).
+    ``wait``: the seconds its running forwards and its hub's threads get to end (at exit: :data:`EXIT_WAIT`).
     """
+    deadline = time.monotonic() + wait
     serving.fail_closed(queue.close(cancel_pending=True))
     serving.close()
-    hub.close(0.0)
+    hub.close(wait)
     for receiver in receivers:
         receiver.close(0.0)
-    serving.join(wait)
+    serving.join(max(0.0, deadline - time.monotonic()))
 
 
-# At exit, the seconds a server left unclosed gets for the forwards it runs: a daemon thread still inside torch
-# when the interpreter finalizes is ended there (pthread_exit, Python <= 3.13), which aborts the process.
+# At exit, the seconds a server left unclosed gets for the forwards it runs and its hub's threads: a daemon
+# thread still inside torch when the interpreter finalizes is ended there (pthread_exit, Python <= 3.13), which
+# aborts the process.
 EXIT_WAIT = 10.0
 
 
