@@ -702,7 +702,7 @@ def _collected(pid: int, queue: RequestQueue, serving: Serving, hub: LazyHub, re
     """The finalizer of a server: collected without ``close()``, or alive at exit."""
     if os.getpid() != pid:
         return  # a forked child's copy: its serve loops and hub are its parent's
-    if _exiting:
+    if _exiting and threading.current_thread() is threading.main_thread():  # atexit's, not a collection elsewhere
         _abandon(queue, serving, hub, receivers, wait=EXIT_WAIT)
     else:
         _abandoned.put((queue, serving, hub, receivers))
