@@ -375,6 +375,39 @@ def test_nested_and_non_tensor_entries_round_trip(collate):
         assert got == expected
 
 
+class WithEmpty(nn.Module):
+    def forward(self, weight: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return weight.sum(-1), items + 1
+
+
+@pytest.mark.parametrize(
+    "collate",
+    [
+        None,
+        PadCollate(["items"], mask_key=None, trim_keys=["plus"]),
+        PackCollate(["items"], offsets_key=None, segment_ids_key=None, element_keys=["plus"]),
+    ],
+    ids=["stack", "pad", "pack"],
+)
+@pytest.mark.parametrize("cache", [False, True], ids=["", "cache"])
+def test_entries_of_no_elements_round_trip_in_requests_of_any_batch_shape(collate, cache):
+    # A (2, 3, 0, 4) entry: flattening its batch dims with reshape(-1, 0, 4) is ambiguous for torch.
+    policy = TensorDictModule(WithEmpty(), in_keys=["weight", "items"], out_keys=["total", "plus"])
+
+    def request(*batch: int) -> TensorDict:
+        return TensorDict(weight=torch.rand(*batch, 4), items=torch.ones(*batch, 0, 4), batch_size=batch)
+
+    tds = [request(), request(2, 3), request(3), request(2, 3)]
+    gated = Gated(policy)
+    kwargs = {"cache": EvaluationCache(16)} if cache else {}
+    with BatchedPolicyServer(gated, collate=collate, timeout=1e6, **kwargs) as server:
+        outs = serve_held(server, gated, tds[0], tds[1:])
+    assert len(gated.batches) == 2  # the three held requests ran as one batch
+    for td, out in zip(tds, outs):
+        torch.testing.assert_close(out["total"], td["weight"].sum(-1))
+        assert out["plus"].shape == (*td.batch_size, 0, 4)
+
+
 @tensorclass
 class Gaussian:
     """A tensorclass, as TorchRL's VLA actions and LLM histories are."""

@@ -367,7 +367,7 @@ def _key_specs(
 def flat_rows(value: Any, batch_dims: int) -> Any:
     """``value`` (batch dims first) with its rows in one dim: non-tensor data as a flat list of rows."""
     if isinstance(value, torch.Tensor) or _kind(value) == "tensordict":
-        return value.reshape(-1, *value.shape[batch_dims:])
+        return value.flatten(0, batch_dims - 1)  # not reshape(-1, ...): ambiguous for a tensor of no elements
     items = value.tolist() if hasattr(value, "tolist") else value
     for _ in range(batch_dims - 1):
         items = [item for sub in items for item in sub]
