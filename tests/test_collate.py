@@ -180,6 +180,34 @@ def test_pad_rejects_unequal_lengths_and_lengths_beyond_the_last_bucket():
     assert stats.rejected_requests == 2 and stats.requests == 1
 
 
+@pytest.mark.parametrize(
+    ("dtype", "pad", "fits"),
+    [
+        (torch.uint8, -1, False),  # torch fails every batch: "cannot be converted ... without overflow"
+        (torch.long, 0.5, False),  # torch rounds it to 0
+        (torch.bool, 2, False),  # torch makes it True
+        (torch.long, float("nan"), False),
+        (torch.float16, 1e6, False),
+        (torch.long, -1, True),
+        (torch.bool, True, True),
+        (torch.float16, float("-inf"), True),
+    ],
+)
+def test_a_pad_value_the_padded_entrys_dtype_cannot_hold_refuses_the_request_naming_both(dtype, pad, fits):
+    policy = TensorDictModule(lambda a, mask: a.float().where(mask, 0).sum(-1), in_keys=["a", "mask"], out_keys=["s"])
+    gated = Gated(policy)
+    with BatchedPolicyServer(gated, collate=PadCollate(["a"], pad_values={"a": pad}), timeout=1e6) as server:
+        if not fits:
+            for n in (1, 2):
+                with pytest.raises(BadRequestError, match=rf"key 'a': its pad value {pad!r} is no {dtype} value"):
+                    server.remote_policy().submit(TensorDict(a=torch.ones(n, dtype=dtype)))
+            return
+        tds = [TensorDict(a=torch.ones(n, dtype=dtype)) for n in (2, 1, 2)]
+        outs = serve_held(server, gated, tds[0], tds[1:])
+    assert [out["s"].item() for out in outs] == [2.0, 1.0, 2.0]
+    assert gated.batches[1]["a"][0, 1] == torch.tensor(pad, dtype=dtype)  # the second batch padded the 1 with pad
+
+
 def test_pad_along_an_inner_dim_and_nested_keys():
     # ("obs", "frames") varies along its feature dim 1: (channels, time)
     policy = TensorDictModule(

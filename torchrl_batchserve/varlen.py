@@ -133,7 +133,8 @@ class PadCollate:
         trim_keys: outputs to cut back to each request's length along ``dim``.
         buckets: lengths to pad to; ``None`` pads to the batch maximum.
         pad_values: per key, the padding value, a number (default 0, False
-            for bool).
+            for bool) that the entry's dtype holds: a request whose entry
+            cannot hold it is refused at submit.
 
     ``mask_key`` must differ from the padded ``keys`` (as ``PackCollate``'s
     ``offsets_key`` and ``segment_ids_key`` must from its ``keys`` and from
@@ -199,6 +200,14 @@ class PadCollate:
             raise BadRequestError(
                 f"key {key!r}: length {length} along dim {self.dim} exceeds the largest bucket {self.buckets[-1]}"
             )
+        if self.pad_values:
+            for key, value in zip(keys, values):
+                pad = self.pad_values.get(key)
+                if pad is not None and not _holds(value.dtype, pad):
+                    raise BadRequestError(
+                        f"key {key!r}: its pad value {pad!r} is no {value.dtype} value (torch would round it or "
+                        "fail every batch); give pad_values a value of the entry's dtype"
+                    )
 
     def padded_length(self, longest: int) -> int:
         """The length a batch whose longest request is ``longest`` is padded to."""
@@ -256,6 +265,16 @@ class PadCollate:
             f"{type(self).__name__}(keys={list(self.keys)}, dim={self.dim}, mask_key={self.mask_key!r}, "
             f"trim_keys={list(self.trim_keys)}, buckets={self.buckets})"
         )
+
+
+def _holds(dtype: torch.dtype, value: float | int | bool) -> bool:
+    """Whether a tensor of ``dtype`` holds the number ``value`` as it is (floats: within their range)."""
+    if dtype is torch.bool:
+        return value in (0, 1)
+    if dtype.is_floating_point or dtype.is_complex:
+        return not abs(value) > torch.finfo(dtype).max or value in (float("inf"), float("-inf"))
+    info = torch.iinfo(dtype)
+    return info.min <= value <= info.max and value == int(value)
 
 
 def _narrow(key: Any, value: torch.Tensor, dim: int, length: int) -> torch.Tensor:
