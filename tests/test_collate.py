@@ -175,9 +175,11 @@ def test_pad_rejects_unequal_lengths_and_lengths_beyond_the_last_bucket():
             remote(TensorDict(a=torch.ones(3), b=torch.ones(4)))
         with pytest.raises(BadRequestError, match="key 'a': length 9 along dim 0 exceeds the largest bucket 8"):
             remote(TensorDict(a=torch.ones(9), b=torch.ones(9)))
+        with pytest.raises(BadRequestError, match="key 'a': a variable-length entry must be a tensor, got TensorDict"):
+            remote(TensorDict(a=TensorDict(x=torch.ones(3, 2), batch_size=[3]), b=torch.ones(3)))  # pad_sequence fails
         assert remote(TensorDict(a=torch.ones(8), b=torch.ones(8)))["s"] == 16
         stats = server.statistics()
-    assert stats.rejected_requests == 2 and stats.requests == 1
+    assert stats.rejected_requests == 3 and stats.requests == 1
 
 
 @pytest.mark.parametrize(

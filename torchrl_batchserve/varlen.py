@@ -83,6 +83,10 @@ def _shared_length(
     lengths = {}
     for key, value in zip(keys, values):
         if key in varying:
+            if not isinstance(value, torch.Tensor):
+                raise BadRequestError(
+                    f"key {key!r}: a variable-length entry must be a tensor, got {type(value).__name__}"
+                )
             if value.ndim - batch_dims <= dim:
                 raise BadRequestError(
                     f"key {key!r}: expected a variable-length dim {dim} after the batch dims "
