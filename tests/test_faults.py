@@ -111,6 +111,34 @@ def test_a_policy_returning_wrong_rows_fails_every_path_with_policy_error():
             client_of(server)(obs())
 
 
+class StopsOnNegative(torch.nn.Module):
+    def forward(self, x):
+        if bool((x < 0).any()):
+            raise StopIteration("no more moves")  # e.g. next() on an exhausted iterator
+        return x[..., :3]
+
+
+@pytest.mark.parametrize("path", ["thread", "worker"])
+def test_a_stop_iteration_from_the_policy_reaches_every_caller_as_a_runtime_error_and_asyncio_ones_too(path):
+    # An asyncio future refuses a StopIteration: its callers waited forever (the loop logged a TypeError).
+    policy = TensorDictModule(StopsOnNegative(), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy, timeout=0.001) as server:
+        remote = server.remote_policy() if path == "thread" else client_of(server)
+
+        async def calls() -> list:
+            tds = [TensorDict(observation=torch.ones(8) if i % 2 else -torch.ones(8)) for i in range(6)]
+            return await asyncio.gather(*(asyncio.wait_for(remote.acall(td), 30) for td in tds), return_exceptions=True)
+
+        outcomes = [*asyncio.run(calls())]
+        with pytest.raises(RuntimeError, match=r"raised StopIteration\('no more moves'\)") as caught:
+            remote(TensorDict(observation=-torch.ones(8)))
+        if path == "thread":
+            assert isinstance(caught.value.__cause__, StopIteration)
+        assert remote(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)  # and serving goes on
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    assert failed and all(type(e) is RuntimeError and "raised StopIteration" in str(e) for e in failed), outcomes
+
+
 class FailsOnSeveralRows(torch.nn.Module):
     def forward(self, x):
         if x.shape[0] > 1:
