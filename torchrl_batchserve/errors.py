@@ -38,6 +38,7 @@ __all__ = [
     "WeightSyncError",
     "own_copy",
     "portable",
+    "raisable",
 ]
 
 
@@ -84,6 +85,19 @@ def portable(error: BaseException) -> BaseException:
         return error
     except Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def raisable(error: Exception) -> Exception:
+    """``error`` as a caller may be given it: a ``StopIteration`` from user code as a ``RuntimeError`` caused by it.
+
+    An asyncio future refuses a ``StopIteration`` (its caller would wait forever), and a generator or a
+    coroutine that it leaves turns it into a ``RuntimeError`` anyway (PEP 479).
+    """
+    if not isinstance(error, StopIteration):
+        return error
+    wrapped = RuntimeError(f"the policy or the collate raised {error!r}")
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def own_copy(error: BaseException) -> BaseException:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDictBase, is_non_tensor, is_tensor_collection, is_tensorclass
 
-from torchrl_batchserve.errors import BadRequestError
+from torchrl_batchserve.errors import BadRequestError, raisable
 from torchrl_batchserve.weights import as_integer, key_path
 
 __all__ = ["KeySpec", "Layout", "Validated", "flat_rows", "layout_of", "request_entries", "shaped_rows"]
@@ -215,7 +215,10 @@ class Layout:
                 raise BadRequestError(f"key {key!r}: expected device {spec.device}, got {value.device}")
             device = spec.device
         if self._check is not None:
-            self._check(self.keys, values, batch_dims)
+            try:
+                self._check(self.keys, values, batch_dims)
+            except StopIteration as err:
+                raise raisable(err) from err
         if batch_dims == 0:
             rows = 1
         else:

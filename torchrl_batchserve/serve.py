@@ -39,6 +39,7 @@ from torchrl_batchserve.errors import (
     PolicyError,
     ServerBrokenError,
     ServerClosedError,
+    raisable,
 )
 from torchrl_batchserve.gate import GATE
 from torchrl_batchserve.layout import Layout, holds_tensors
@@ -338,7 +339,7 @@ class Serving:
         try:
             columns, start = self._run(replica, group, rows, start)
         except Exception as err:  # the policy's or the collate's: this batch only
-            outcome: Outcome = (group, None, _raisable(err))
+            outcome: Outcome = (group, None, raisable(err))
         else:
             outcome = (group, columns, None)
             if layout is not None and not self.layout.confirm(layout):
@@ -481,19 +482,6 @@ def _groups(live: list[Request]) -> list[list[Request]]:
     for r in live:
         by.setdefault((r.interaction, r.layout), []).append(r)
     return list(by.values())
-
-
-def _raisable(error: Exception) -> Exception:
-    """``error`` as its callers may be given it: a ``StopIteration`` as a ``RuntimeError`` caused by it.
-
-    An asyncio future refuses a ``StopIteration`` (its callers would wait forever), and a generator or a
-    coroutine that it leaves turns it into a ``RuntimeError`` anyway (PEP 479).
-    """
-    if not isinstance(error, StopIteration):
-        return error
-    wrapped = RuntimeError(f"the batch's policy or collate raised {error!r}")
-    wrapped.__cause__ = error
-    return wrapped
 
 
 def _misfit(layout: Layout, group: list[Request]) -> BaseException:
