@@ -842,13 +842,17 @@ def marked() -> TensorDict:
     return td
 
 
-def test_a_blocking_call_to_its_own_server_from_a_forward_that_a_lone_caller_runs_is_refused_not_hung():
+@pytest.mark.parametrize("how", ["call", "acall"])
+def test_a_call_to_its_own_server_from_a_forward_that_a_lone_caller_runs_is_refused_not_hung(how):
     policy = CallsItsServer(make_mlp())
     outcome: list = []
 
     def call_again() -> None:
         try:
-            outcome.append(remote(obs()))
+            if how == "call":
+                outcome.append(remote(obs()))
+            else:  # an event loop of the forward's own: the batch cannot end while it waits
+                outcome.append(asyncio.run(asyncio.wait_for(remote.acall(obs()), 10)))
         except BaseException as err:
             outcome.append(err)
 

@@ -115,16 +115,18 @@ class LocalEndpoint:
             self._forked = (os.getpid(), ProcessClient(*address))
         return self._forked[1]
 
+    def _refuse_waiting(self, what: str, instead: str) -> None:
+        if serving_here(self._serving):
+            raise BatchServeError(
+                f"{what} from a serve loop's own thread (a submit's done-callback runs there), or from inside a "
+                f"batch of this server (its policy's forward), would wait for itself; {instead}"
+            )
+
     def call(self, td: TensorDictBase) -> TensorDictBase:
         """Serve ``td`` and block until its outputs are written into it."""
         if not self._here():
             return self._other_process().call(td)
-        if serving_here(self._serving):
-            raise BatchServeError(
-                "a blocking call from a serve loop's own thread (a submit's done-callback runs there), or from "
-                "inside a batch of this server (its policy's forward), would wait for itself; call submit() or "
-                "acall() there, or hand the call to another thread"
-            )
+        self._refuse_waiting("a blocking call", "call submit() there, or hand the call to another thread")
         request: BlockingRequest = self._intake.request(BlockingRequest, td, threading.get_ident())
         taken = self._intake.put(request, may_serve=_serves_as_a_serve_thread)
         if taken is not None:  # a lone caller: it runs its own batch (see queue.py)
@@ -152,6 +154,7 @@ class LocalEndpoint:
         """Serve ``td`` from a coroutine, batched with every other task and thread."""
         if not self._here():
             return await self._other_process().acall(td)
+        self._refuse_waiting("an acall", "await it in an event loop of another thread")
         loop = asyncio.get_running_loop()
         # The task's id, not the task: the queue remembers the callers it served until a batch fires on its
         # timeout, and a finished task holds its result (the caller's TensorDict) for as long as it is held.
