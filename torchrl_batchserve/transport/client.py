@@ -288,7 +288,7 @@ class ProcessClient:
                     failure = ServerBrokenError(
                         f"this process cannot take the server's replies: {err.strerror}"
                         if isinstance(err, OSError) and err.errno == errno.EMFILE  # (Wire.read)
-                        else "the server's process ended while this request was in flight"
+                        else "the server's process ended with requests of this process in flight"
                     )
                     failure.__cause__ = err
                     with self._cond:
