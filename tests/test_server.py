@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import logging
 import pickle
 import re
 import subprocess
@@ -1398,6 +1399,8 @@ def test_statistics_flatten_for_loggers_and_convert_with_asdict(policy):
     assert recorder.scalars["serve/requests"] == (1.0, 7) and len(recorder.scalars) == len(flat)
     with pytest.raises(TypeError, match=r"a ServerStatistics \(server.statistics\(\)\), got BatchedPolicyServer"):
         log_statistics(recorder, server)  # the server where its statistics go
+    with pytest.raises(TypeError, match=r"a TorchRL Logger .*got Logger; for a logging.Logger, log statistics.summary"):
+        log_statistics(logging.getLogger("trainer"), stats)  # the standard library's, which has no log_scalar
 
 
 def test_batches_that_mostly_fire_on_the_timeout_far_below_capacity_log_advice_once(policy, caplog, monkeypatch):

@@ -177,6 +177,11 @@ def log_statistics(logger: Any, statistics: ServerStatistics, step: int | None =
     """
     if not isinstance(statistics, ServerStatistics):
         raise TypeError(f"statistics must be a ServerStatistics (server.statistics()), got {type(statistics).__name__}")
+    if not callable(getattr(logger, "log_scalar", None)):
+        raise TypeError(
+            f"logger must be a TorchRL Logger (anything with log_scalar(name, value, step)), got "
+            f"{type(logger).__name__}; for a logging.Logger, log statistics.summary()"
+        )
     for name, value in statistics.as_dict().items():
         logger.log_scalar(prefix + name, float(value), step=step)
 
