@@ -26,6 +26,7 @@ from torchrl_batchserve import (
     BadRequestError,
     BatchedPolicyServer,
     EvaluationCache,
+    FunctionCollate,
     LengthCost,
     PackCollate,
     PadCollate,
@@ -236,6 +237,11 @@ def test_stack_collate_refuses_a_pin_memory_that_no_batch_could_use():
     else:  # accepted before, and every batch failed in torch
         with pytest.raises(ValueError, match="pin_memory=True: this torch build or machine has no CUDA"):
             StackCollate(pin_memory=True)
+
+
+def test_function_collate_refuses_what_it_could_not_call():
+    with pytest.raises(TypeError, match=r"fn must be callable as fn\(list of TensorDicts\) -> TensorDict, got str"):
+        FunctionCollate("lazy_stack")  # accepted before, and every batch failed on it
 
 
 def test_pad_constructor_errors_name_the_argument():

@@ -220,6 +220,8 @@ class FunctionCollate:
     variable_dims: dict = {}
 
     def __init__(self, fn: Callable[[list[TensorDictBase]], TensorDictBase]) -> None:
+        if not callable(fn):  # else every batch would fail on it
+            raise TypeError(f"fn must be callable as fn(list of TensorDicts) -> TensorDict, got {type(fn).__name__}")
         self.fn = fn
 
     def collate(self, requests: Sequence[Request], keys: Sequence[Any]) -> TensorDictBase:
