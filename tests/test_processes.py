@@ -1058,6 +1058,11 @@ def test_scheme_arguments_and_clean_import():
         BatchServeWeightSyncScheme(object(), address="127.0.0.1", port=1, world_size=2)
     with pytest.raises(ValueError, match=r"port must be an int in 1..65535 \(got 'x'\)"):  # not at the first push
         BatchServeWeightSyncScheme(address="127.0.0.1", port="x", world_size=2)
+    # accepted before, and the collector's first push failed on them
+    with pytest.raises(TypeError, match="server must be a BatchedPolicyServer .*, got str"):
+        BatchServeWeightSyncScheme(server="server")
+    with pytest.raises(TypeError, match=r"module must be the trainer's policy \(an nn.Module, .*\), got int"):
+        BatchServeWeightSyncScheme(address="127.0.0.1", port=1, world_size=2, module=3)
     from torchrl_batchserve import WeightBroadcaster
 
     # checked before anything binds or connects (torch's TCPStore named none of them, or waited on a bad one)

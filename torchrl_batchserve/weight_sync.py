@@ -18,6 +18,7 @@ over the dedicated process group (:mod:`torchrl_batchserve.distributed`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
@@ -115,6 +116,13 @@ class BatchServeWeightSyncScheme(WeightSyncScheme):
             )
         if server is not None and module is not None:
             raise ValueError("module= is for a weight group: a server in this process pushes the module it serves")
+        if server is not None and not callable(getattr(server, "update_weights", None)):
+            raise TypeError(f"server must be a BatchedPolicyServer or a Ray server handle, got {type(server).__name__}")
+        if module is not None and not isinstance(module, (nn.Module, TensorDictBase, Mapping)):
+            raise TypeError(
+                "module must be the trainer's policy (an nn.Module, its TensorDict.from_module or its state_dict), "
+                f"got {type(module).__name__}"
+            )
         self._server = server
         self._module = module
         self._warned = False
