@@ -593,6 +593,12 @@ def test_bad_arguments_and_outputs_are_refused_by_name():
         TreeSearch(env, make_policy(), dirichlet_eps="0.25")
     with pytest.raises(TypeError, match="policy must be callable as policy\\(td\\) .*, got str"):
         TreeSearch(env, "policy")  # (a config's node left uninstantiated): it failed at the first leaf
+    with pytest.raises(TypeError, match="env must be a TorchRL env whose state is the TensorDict, got str"):
+        TreeSearch("tictactoe", make_policy())
+    with pytest.raises(TypeError, match=r"value_key: expected a key \(a str or a tuple of str\), got 3"):
+        TreeSearch(env, make_policy(), value_key=3)  # it failed at the first leaf
+    with pytest.raises(TypeError, match=r"turn_key: expected a key \(a str or a tuple of str\), got ''"):
+        TreeSearch(env, make_policy(), turn_key="")
     search = TreeSearch(env, make_policy())
     with pytest.raises(ValueError, match=r"simulations must be an int >= 1 \(got 0\)"):
         search.run(search.tree(env.reset()), 0)

@@ -51,6 +51,7 @@ import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
 
 from torchrl_batchserve.errors import SearchError
+from torchrl_batchserve.varlen import as_key
 
 __all__ = ["Node", "Tree", "TreeSearch"]
 
@@ -223,6 +224,19 @@ class TreeSearch:
             raise ValueError(f"dirichlet_eps must be in [0, 1] (got {dirichlet_eps!r})")
         if not callable(policy):
             raise TypeError(f"policy must be callable as policy(td) (e.g. a RemotePolicy), got {type(policy).__name__}")
+        if not callable(getattr(env, "step", None)):
+            raise TypeError(f"env must be a TorchRL env whose state is the TensorDict, got {type(env).__name__}")
+        prior_key, value_key, mask_key, done_key, reward_key = (
+            as_key(key, name)
+            for name, key in (
+                ("prior_key", prior_key),
+                ("value_key", value_key),
+                ("mask_key", mask_key),
+                ("done_key", done_key),
+                ("reward_key", reward_key),
+            )
+        )
+        turn_key = None if turn_key is None else as_key(turn_key, "turn_key")
         self.env = env
         self.policy = policy
         self.searchers = searchers
