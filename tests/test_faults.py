@@ -476,10 +476,12 @@ def test_a_server_dropped_without_close_ends_its_threads_and_releases_its_socket
     caller = threading.Thread(target=call)
     caller.start()
     assert busy.wait(10)
-    ref = weakref.ref(server)
+    ref, queue = weakref.ref(server), server._queue
     del server, hub
     gc.collect()
     assert ref() is None
+    # The reaper thread abandons it: released before that, the request would be queued and served.
+    wait_for(lambda: queue.closed, "the dropped server's queue closed by the reaper")
     release.set()
     for t in [*threads, caller]:
         t.join(10)
