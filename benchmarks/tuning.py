@@ -6,7 +6,7 @@ processes. One knob moves at a time: ``max_batch_size`` in 8..128 at
 ``timeout=2 ms``, then ``timeout`` in 0.5..32 ms at ``max_batch_size=64``.
 
     python benchmarks/tuning.py            # writes docs/tuning_curves.md and docs/tuning_curves.png
-    python benchmarks/tuning.py --quick    # seconds; a smoke test
+    python benchmarks/tuning.py --quick    # seconds; a smoke test (2 worker processes, not 8)
 """
 
 from __future__ import annotations
@@ -26,21 +26,26 @@ SIZES = (8, 16, 32, 64, 128)
 TIMEOUTS = (0.0005, 0.002, 0.008, 0.032)
 
 
-def point(mode: str, max_batch_size: int, timeout: float, total: int) -> dict:
+# Actors of each kind; spawning a worker process takes seconds, so the smoke run starts 2.
+ACTORS = {"threads": 64, "tasks": 256, "processes": 8}
+LABELS = {"threads": "threads", "tasks": "asyncio tasks", "processes": "processes"}
+
+
+def point(mode: str, max_batch_size: int, timeout: float, total: int, actors: dict = ACTORS) -> dict:
     args = SimpleNamespace(max_batch_size=max_batch_size, timeout=timeout, replicas=1)
     if mode == "processes":
-        out = processes.measure("ours", "vector", 8, max(1, total // 8), args)
+        procs = actors[mode]
+        out = processes.measure("ours", "vector", procs, max(1, total // procs), args)
         rps, p99, batch = out["rps"], out["p99_ms"], out["mean_batch"]
     else:
-        actors = 64 if mode == "threads" else 256
-        m = run.measure("ours", "vector", mode, actors, 0, total, args)
+        m = run.measure("ours", "vector", mode, actors[mode], 0, total, args)
         rps, p99, batch = m.rps, m.p99_ms, m.mean_batch
     return {"mode": mode, "max_batch_size": max_batch_size, "timeout": timeout, "rps": rps, "p99_ms": p99} | {
         "batch": batch
     }
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, actors: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,7 +55,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for mode in ("threads", "tasks", "processes"):
         sizes = [r for r in rows if r["mode"] == mode and r["timeout"] == 0.002]
         times = sorted((r for r in rows if r["mode"] == mode and r["max_batch_size"] == 64), key=lambda r: r["timeout"])
-        label = {"threads": "64 threads", "tasks": "256 asyncio tasks", "processes": "8 processes"}[mode]
+        label = f"{actors[mode]} {LABELS[mode]}"
         axes[0][0].plot([r["max_batch_size"] for r in sizes], [r["rps"] for r in sizes], marker="o", label=label)
         axes[1][0].plot([r["max_batch_size"] for r in sizes], [r["p99_ms"] for r in sizes], marker="o", label=label)
         axes[0][1].plot([r["timeout"] * 1e3 for r in times], [r["rps"] for r in times], marker="o", label=label)
@@ -79,22 +84,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
         restart_with(ONE_INTRAOP_THREAD)
     total = 800 if args.quick else args.requests
     sizes, timeouts = ((8, 64), (0.0005, 0.002)) if args.quick else (SIZES, TIMEOUTS)
+    actors = ACTORS | {"processes": 2} if args.quick else ACTORS
     rows = []
     for mode in ("threads", "tasks", "processes"):
         for size in sizes:
-            rows.append(point(mode, size, 0.002, total))
+            rows.append(point(mode, size, 0.002, total, actors))
             print(json.dumps(rows[-1]))
         for timeout in timeouts:
             if timeout != 0.002:
-                rows.append(point(mode, 64, timeout, total))
+                rows.append(point(mode, 64, timeout, total, actors))
                 print(json.dumps(rows[-1]))
     stem = "tuning_curves_quick" if args.quick else "tuning_curves"
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(rows, args.out / f"{stem}.png")
+    plot(rows, args.out / f"{stem}.png", actors)
     lines = [
         "# Tuning curves",
         "",
-        provenance("tuning.py", args) + f" {total} requests per point.",
+        provenance("tuning.py", args)
+        + f" {total} requests per point; actors: "
+        + ", ".join(f"{actors[m]} {LABELS[m]}" for m in ACTORS)
+        + ".",
         "",
         "| actors | max_batch_size | timeout, ms | requests/s | p99, ms | mean batch |",
         "|---|---:|---:|---:|---:|---:|",
