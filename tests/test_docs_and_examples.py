@@ -403,7 +403,7 @@ def test_ppo_recipe_smoke(tmp_path):
 
 
 def test_ppo_recipe_measures_frames_per_second(tmp_path):
-    ppo_pendulum, cfg = _ppo_recipe(tmp_path, "measure=true", "measure_frames=1600")
+    ppo_pendulum, cfg = _ppo_recipe(tmp_path, "measure=true", "measure_frames=800")
     result = ppo_pendulum.run(cfg)
     assert set(result) == {
         "MultiSyncCollector, one server",
