@@ -878,8 +878,32 @@ def test_a_restarted_server_is_found_again_and_serves_after_the_next_push(cluste
 def test_serve_on_ray_refuses_bad_arguments(cluster):
     with pytest.raises(ValueError, match="gateway_depth"):
         serve_on_ray(factory, gateway_depth=0)
+    with pytest.raises(ValueError, match=r"start_timeout must be a finite number of seconds > 0 \(got 0\)"):
+        serve_on_ray(factory, start_timeout=0)
     with pytest.raises(ValueError, match="max_batch_size"):
         serve_on_ray(factory, num_cpus=0, resources=SERVER, max_batch_size=0)
+
+
+def stalled_factory() -> TensorDictModule:
+    time.sleep(600)  # a checkpoint that takes long to load
+    return factory()
+
+
+def test_a_server_actor_that_does_not_start_in_time_is_killed_and_the_error_says_so(cluster):
+    from ray.util.state import list_actors
+
+    def server_actors() -> dict[str, str]:
+        return {a.actor_id: a.state for a in list_actors(filters=[("class_name", "=", "_ServerActor")], limit=1000)}
+
+    before = server_actors()
+    with pytest.raises(TimeoutError, match=r"did not start within start_timeout=3 s \(its policy_factory included\)"):
+        serve_on_ray(stalled_factory, num_cpus=0, resources=SERVER, start_timeout=3)
+    deadline = time.monotonic() + 60
+    while (left := {i: s for i, s in server_actors().items() if i not in before and s != "DEAD"}) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.2)  # ray.kill ends it asynchronously
+    assert not left  # not left starting with no handle to it: it was killed
 
 
 def test_a_gateway_link_given_a_reply_to_no_batch_fails_every_batch_in_flight():

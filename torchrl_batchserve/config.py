@@ -138,7 +138,7 @@ class RayServerConfig(ServerConfig):
 
     ``policy`` is built in the server actor, from the node (its ``_target_``
     must be importable there). ``num_gpus``, ``num_cpus``, ``resources``,
-    ``max_restarts`` and ``gateway_depth`` are ``serve_on_ray``'s; the other
+    ``max_restarts``, ``gateway_depth`` and ``start_timeout`` are ``serve_on_ray``'s; the other
     fields are the server's, as in :class:`ServerConfig`. Instantiating it
     needs a connected Ray (``ray.init``) and gives the handle
     (:class:`~torchrl_batchserve.ray.RayServer`), once per ``name``.
@@ -150,6 +150,7 @@ class RayServerConfig(ServerConfig):
     resources: dict[str, float] | None = None
     max_restarts: int = 0
     gateway_depth: int = 2
+    start_timeout: float = 120.0
 
 
 @dataclass
@@ -212,6 +213,7 @@ def ray_server(
     resources: dict[str, float] | None = None,
     max_restarts: int = 0,
     gateway_depth: int = 2,
+    start_timeout: float = 120.0,
     **kwargs: Any,
 ) -> Any:
     """The handle of the Ray-served server called ``name``, started the first time (as :func:`server`).
@@ -227,6 +229,7 @@ def ray_server(
         resources=_plain(resources),
         max_restarts=max_restarts,
         gateway_depth=gateway_depth,
+        start_timeout=start_timeout,
     )
 
     def start() -> Any:

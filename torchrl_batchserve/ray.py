@@ -88,6 +88,7 @@ def serve_on_ray(
     num_cpus: float = 1,
     max_restarts: int = 0,
     gateway_depth: int = 2,
+    start_timeout: float = CONNECT_TIMEOUT,
     **server_kwargs: Any,
 ) -> RayServer:
     """Start a :class:`~torchrl_batchserve.BatchedPolicyServer` as a Ray actor; return its handle.
@@ -105,6 +106,10 @@ def serve_on_ray(
         max_restarts: how often Ray may restart a dead server actor (see the
             module docstring: a restarted server serves after the next push).
         gateway_depth: batches each node's gateway keeps in flight to the server.
+        start_timeout: seconds the server actor may take to start, its
+            ``policy_factory`` included (raise it for a factory that loads a
+            large checkpoint); past it, the actor is killed and
+            ``TimeoutError`` raised.
         server_kwargs: the ``BatchedPolicyServer`` keywords (``max_batch_size``,
             ``timeout``, ``device``, ...). Gateways batch with the same
             ``max_batch_size`` and ``timeout``.
@@ -115,6 +120,7 @@ def serve_on_ray(
         raise RuntimeError("serve_on_ray needs a connected Ray: call ray.init(...) first")
     if not isinstance(gateway_depth, int) or isinstance(gateway_depth, bool) or gateway_depth < 1:
         raise ValueError(f"gateway_depth must be an int >= 1 (got {gateway_depth!r})")
+    start_timeout = check_seconds("start_timeout", start_timeout, positive=True)
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts}
     if resources:
         options["resources"] = dict(resources)
@@ -124,10 +130,18 @@ def serve_on_ray(
         .remote(policy_factory, server_kwargs, gateway_depth)
     )
     try:
-        described: dict[str, Any] = ray.get(actor.describe.remote(), timeout=CONNECT_TIMEOUT)
-    except RayTaskError as err:
+        described: dict[str, Any] = ray.get(actor.describe.remote(), timeout=start_timeout)
+    except BaseException as err:  # no server actor is left starting, or serving, with no handle to it
         ray.kill(actor, no_restart=True)
-        raise _cause(err) from None
+        if isinstance(err, RayTaskError):
+            raise _cause(err) from None
+        if isinstance(err, GetTimeoutError):
+            raise TimeoutError(
+                f"the server actor did not start within start_timeout={start_timeout:g} s (its policy_factory "
+                "included), and was killed. Pass a larger start_timeout for a slow factory; Ray runs its workers "
+                "at niceness 15, so other busy processes of the host slow them down a lot"
+            ) from None
+        raise
     return RayServer(actor, **described)
 
 
