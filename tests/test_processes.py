@@ -1086,6 +1086,32 @@ def test_scheme_arguments_and_clean_import():
     subprocess.run([sys.executable, "-c", code], check=True)  # no DeprecationWarning from WeightUpdaterBase
 
 
+def test_a_weight_group_that_does_not_form_in_time_raises_weight_sync_error_saying_who_was_waited_for():
+    # torch.distributed's errors named a store key ("/torchrl_batchserve/weights/0/1") or a socket, not the group
+    from torchrl_batchserve import WeightBroadcaster
+
+    port = free_port()
+    for _ in range(2):  # the port is free again: a trainer may retry once its servers are up
+        with pytest.raises(
+            WeightSyncError,
+            match=rf"the weight group at 127.0.0.1:{port} \(world_size=2, timeout=1 s\) could not form: the trainer "
+            r"\(rank 0\) waits for servers 1..1 to join \(server.receive_weights\)\. \w+Error: ",  # torch's, after
+        ):
+            WeightBroadcaster("127.0.0.1", port, 2, timeout=1)
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # another program listens there
+        with pytest.raises(
+            WeightSyncError, match=rf"127.0.0.1:{taken.getsockname()[1]} .* could not form: the trainer"
+        ):
+            WeightBroadcaster("127.0.0.1", taken.getsockname()[1], 2, timeout=1)
+    policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])
+    with BatchedPolicyServer(policy) as server:
+        with pytest.raises(
+            WeightSyncError, match=r"\(world_size=2, timeout=1 s\) could not form: server rank 1 waits for the trainer"
+        ):
+            server.receive_weights("127.0.0.1", free_port(), 1, 2, timeout=1)
+        assert server.remote_policy()(TensorDict(observation=torch.ones(8)))["logits"].shape == (3,)  # serves on
+
+
 def test_a_push_that_loses_to_a_local_update_is_dropped_and_the_receiver_takes_the_next():
     # update_weights() in the server's process may stage a newer version while a pushed one is in transfer.
     policy = TensorDictModule(pw.make_net(0), in_keys=["observation"], out_keys=["logits"])

@@ -94,9 +94,22 @@ def check_group(address: Any, port: Any, world_size: Any, timeout: Any) -> None:
 
 
 def _group(address: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[Any, Any]:
+    """Join the weight group as ``rank``; a ``WeightSyncError`` saying who was waited for when it cannot."""
     td = timedelta(seconds=timeout)
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=td, wait_for_workers=False)
-    group = dist.ProcessGroupGloo(dist.PrefixStore("torchrl_batchserve/weights", store), rank, world_size, td)
+    try:
+        store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=td, wait_for_workers=False)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("torchrl_batchserve/weights", store), rank, world_size, td)
+    except Exception as err:  # torch.distributed's own errors name a store key or a socket, not the group
+        store = None  # not kept by the error's traceback until the interpreter's exit, which it may abort
+        member = (
+            f"the trainer (rank 0) waits for servers 1..{world_size - 1} to join (server.receive_weights)"
+            if rank == 0
+            else f"server rank {rank} waits for the trainer's WeightBroadcaster (rank 0) and the other servers"
+        )
+        raise WeightSyncError(
+            f"the weight group at {address}:{port} (world_size={world_size}, timeout={timeout:g} s) could not form: "
+            f"{member}. {type(err).__name__}: {err}"
+        ) from err
     return store, group
 
 
@@ -139,7 +152,7 @@ class WeightBroadcaster:
 
     Keyword Args:
         timeout: seconds any step of a push may take (and that servers may
-            take to join).
+            take to join: past it, :class:`WeightSyncError`).
     """
 
     def __init__(self, address: str, port: int, world_size: int, *, timeout: float = 60.0) -> None:

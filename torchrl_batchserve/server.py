@@ -626,6 +626,8 @@ class BatchedPolicyServer(TensorDictModule):
         a thread into a shadow copy and served from the next batch on; the
         default process group is never touched. Stops with the server; a
         closed server raises :class:`~torchrl_batchserve.errors.ServerClosedError`.
+        A group that does not form within ``timeout`` seconds raises
+        :class:`~torchrl_batchserve.errors.WeightSyncError`.
         """
         self._refuse_if_closed("joins no weight group")
         receiver = WeightReceiver(self._weights, address, port, rank, world_size, timeout=timeout)
