@@ -138,8 +138,9 @@ def serve_on_ray(
         if isinstance(err, GetTimeoutError):
             raise TimeoutError(
                 f"the server actor did not start within start_timeout={start_timeout:g} s (its policy_factory "
-                "included), and was killed. Pass a larger start_timeout for a slow factory; Ray runs its workers "
-                "at niceness 15, so other busy processes of the host slow them down a lot"
+                "included), and was killed. Pass a larger start_timeout for a slow factory. Ray runs its workers "
+                "at niceness 15, where busy processes of the node at niceness 0 starve them: RAY_worker_niceness=0 "
+                "in the environment of `ray start` leaves them at 0"
             ) from None
         raise
     return RayServer(actor, **described)
