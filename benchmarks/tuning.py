@@ -28,10 +28,13 @@ TIMEOUTS = (0.0005, 0.002, 0.008, 0.032)
 
 # Actors of each kind; spawning a worker process takes seconds, so the smoke run starts 2.
 ACTORS = {"threads": 64, "tasks": 256, "processes": 8}
-LABELS = {"threads": "threads", "tasks": "asyncio tasks", "processes": "processes"}
 
 
-def point(mode: str, max_batch_size: int, timeout: float, total: int, actors: dict = ACTORS) -> dict:
+def label(mode: str, actors: dict) -> str:
+    return f"{actors[mode]} {'asyncio tasks' if mode == 'tasks' else mode}"
+
+
+def point(mode: str, max_batch_size: int, timeout: float, total: int, actors: dict) -> dict:
     args = SimpleNamespace(max_batch_size=max_batch_size, timeout=timeout, replicas=1)
     if mode == "processes":
         procs = actors[mode]
@@ -55,11 +58,11 @@ def plot(rows: list[dict], path: Path, actors: dict) -> None:
     for mode in ("threads", "tasks", "processes"):
         sizes = [r for r in rows if r["mode"] == mode and r["timeout"] == 0.002]
         times = sorted((r for r in rows if r["mode"] == mode and r["max_batch_size"] == 64), key=lambda r: r["timeout"])
-        label = f"{actors[mode]} {LABELS[mode]}"
-        axes[0][0].plot([r["max_batch_size"] for r in sizes], [r["rps"] for r in sizes], marker="o", label=label)
-        axes[1][0].plot([r["max_batch_size"] for r in sizes], [r["p99_ms"] for r in sizes], marker="o", label=label)
-        axes[0][1].plot([r["timeout"] * 1e3 for r in times], [r["rps"] for r in times], marker="o", label=label)
-        axes[1][1].plot([r["timeout"] * 1e3 for r in times], [r["p99_ms"] for r in times], marker="o", label=label)
+        name = label(mode, actors)
+        axes[0][0].plot([r["max_batch_size"] for r in sizes], [r["rps"] for r in sizes], marker="o", label=name)
+        axes[1][0].plot([r["max_batch_size"] for r in sizes], [r["p99_ms"] for r in sizes], marker="o", label=name)
+        axes[0][1].plot([r["timeout"] * 1e3 for r in times], [r["rps"] for r in times], marker="o", label=name)
+        axes[1][1].plot([r["timeout"] * 1e3 for r in times], [r["p99_ms"] for r in times], marker="o", label=name)
     for (i, j), (xlabel, ylabel) in {
         (0, 0): ("max_batch_size (timeout 2 ms)", "requests/s"),
         (1, 0): ("max_batch_size (timeout 2 ms)", "p99 latency, ms"),
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "",
         provenance("tuning.py", args)
         + f" {total} requests per point; actors: "
-        + ", ".join(f"{actors[m]} {LABELS[m]}" for m in ACTORS)
+        + ", ".join(label(m, actors) for m in ACTORS)
         + ".",
         "",
         "| actors | max_batch_size | timeout, ms | requests/s | p99, ms | mean batch |",
