@@ -905,6 +905,24 @@ def test_a_server_actor_that_does_not_start_in_time_is_killed_and_the_error_says
     assert len(new) == 1
 
 
+def test_a_server_actor_that_does_not_answer_is_a_server_broken_error_naming_what_was_asked(cluster, monkeypatch):
+    # It raised Ray's bare GetTimeoutError from statistics() and push_weights, outside the library's error tree.
+    import torchrl_batchserve.ray as batchserve_ray
+
+    monkeypatch.setattr(batchserve_ray, "CONNECT_TIMEOUT", 2.0)
+    with served() as handle:
+        pid = ray.get(handle.actor.__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing: a hung server actor
+        try:
+            with pytest.raises(ServerBrokenError, match="did not answer statistics within 2 s"):
+                handle.statistics()
+            with pytest.raises(ServerBrokenError, match="did not answer version within 2 s"):
+                handle.update_weights(TensorDict.from_module(factory(seed=1)).data)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert handle.statistics().requests == 0  # it answers again once it runs
+
+
 def test_a_gateway_link_given_a_reply_to_no_batch_fails_every_batch_in_flight():
     import threading
     from multiprocessing.connection import Listener

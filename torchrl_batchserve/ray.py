@@ -284,19 +284,14 @@ def push_weights(servers: Sequence[RayServer], weights: Any, *, version: int | N
     tensors = as_weights(weights)
     for server in servers:
         tensors = server._layout.fit(tensors)
-    try:
-        current = max(_ask(s.actor, "version") for s in servers)
-        after = max([current, *(s._version for s in servers)])
-        if version is not None:
-            if version <= after:  # refused before the weights go into the object store
-                raise WeightSyncError(f"version must increase: staged {after}, got {version}")
-            after = version - 1  # each server stages the one after this
-        stored = ray.put(dumps(tensors.detach().to("cpu")))  # torch's own pickling cannot restore every dtype
-        versions = [_ask(s.actor, "update_weights", stored, after) for s in servers]
-    except RayTaskError as err:
-        raise _cause(err) from None
-    except RayActorError as err:
-        raise ServerBrokenError(f"a server actor is gone: {err}") from err
+    current = max(_ask(s.actor, "version") for s in servers)
+    after = max([current, *(s._version for s in servers)])
+    if version is not None:
+        if version <= after:  # refused before the weights go into the object store
+            raise WeightSyncError(f"version must increase: staged {after}, got {version}")
+        after = version - 1  # each server stages the one after this
+    stored = ray.put(dumps(tensors.detach().to("cpu")))  # torch's own pickling cannot restore every dtype
+    versions = [_ask(s.actor, "update_weights", stored, after) for s in servers]
     for server, version in zip(servers, versions):
         server._version = version
     if len(set(versions)) > 1:
@@ -313,15 +308,25 @@ def _handle(
 
 
 def _ask(actor: Any, method: str, *args: Any) -> Any:
-    """Call ``actor.method(*args)`` and wait for it; while Ray restarts the actor, ask again."""
+    """Call ``actor.method(*args)`` and wait for it; while Ray restarts the actor, ask again.
+
+    What the method raised is raised as it is; an actor that is gone, or that does not answer within
+    ``CONNECT_TIMEOUT`` seconds, is a :class:`~torchrl_batchserve.errors.ServerBrokenError`.
+    """
     deadline = time.monotonic() + CONNECT_TIMEOUT
     while True:
         try:
             return ray.get(getattr(actor, method).remote(*args), timeout=max(0.0, deadline - time.monotonic()))
-        except ActorUnavailableError:
+        except ActorUnavailableError as err:
             if time.monotonic() > deadline:
-                raise
+                raise ServerBrokenError(f"the server actor was unavailable for {CONNECT_TIMEOUT:g} s: {err}") from err
             time.sleep(0.1)
+        except RayTaskError as err:
+            raise _cause(err) from None
+        except RayActorError as err:
+            raise ServerBrokenError(f"the server actor is gone: {err}") from err
+        except GetTimeoutError as err:
+            raise ServerBrokenError(f"the server actor did not answer {method} within {CONNECT_TIMEOUT:g} s") from err
 
 
 def _cause(err: RayTaskError) -> BaseException:
@@ -357,12 +362,7 @@ class RayEndpoint:
 
     def _connect(self) -> RemotePolicy:
         """This node's policy, asked of the server actor."""
-        try:
-            return _ask(self.actor, "connect", ray.get_runtime_context().get_node_id())
-        except RayTaskError as err:
-            raise _cause(err) from None
-        except (RayActorError, GetTimeoutError) as err:
-            raise ServerBrokenError(f"the server actor cannot be reached: {err}") from err
+        return _ask(self.actor, "connect", ray.get_runtime_context().get_node_id())
 
     def _inherited(self) -> RemotePolicy:
         """In a fork of a Ray process, whose Ray connection does not work (asking would hang): the parent's policy.
