@@ -775,17 +775,21 @@ def test_broken_serve_loop_fails_everyone_with_a_typed_error(policy):
     server.close()
 
 
-def test_queue_full_is_refused_at_once():
+def test_queue_full_is_refused_at_once_and_counted_as_rejected():
     gated = GatedPolicy(make_mlp())
     with BatchedPolicyServer(gated, max_batch_size=64, timeout=1e6, max_queue_size=2) as server:
         remote = server.remote_policy()
         first = remote.submit(obs())
         assert gated.entered.wait(10)
-        remote.submit(obs())
+        queued = remote.submit(obs())
         with pytest.raises(QueueFullError):
             remote.submit(obs(2))
+        with pytest.raises(BadRequestError, match="the request has 3 rows, more than max_queue_size=2"):
+            remote.submit(obs(3))
         gated.gate.set()
-        first.result(10)
+        first.result(10), queued.result(10)
+        stats = server.statistics()
+    assert (stats.rejected_requests, stats.requests) == (2, 2)  # load shed shows: neither refusal ran
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from torchrl_batchserve.cache import HIT, JOINED, EvaluationCache
-from torchrl_batchserve.errors import BadRequestError
+from torchrl_batchserve.errors import BadRequestError, QueueFullError
 from torchrl_batchserve.gate import GATE
 from torchrl_batchserve.layout import Layout
 from torchrl_batchserve.queue import RequestQueue
@@ -45,7 +45,7 @@ class Intake:
     Args:
         layout: the request validator.
         queue: the server's queue.
-        stats: counts the requests refused as bad input.
+        stats: counts the requests refused: bad input, too many rows, a full queue.
         weights: the staging area (its newest version keys the cache).
         cache: the evaluation cache, if any.
         delivered: the keys a result carries (a cache hit's too).
@@ -101,17 +101,21 @@ class Intake:
         hands it one (:meth:`RequestQueue.put <torchrl_batchserve.queue.RequestQueue.put>`).
         """
         cache = self._cache
-        if cache is None or request.interaction in self._sampling:  # a sample is drawn anew each call
-            return self.queue.put(request, may_serve)
-        outcome, values = cache.admit(request, self._weights.serving)
-        if outcome == HIT:
-            request.finish(self._delivered, values)  # type: ignore[arg-type]
-            return None
-        if outcome == JOINED:
-            self.queue.waiting(request.caller)
-            return None
+        if request.interaction in self._sampling:  # a sample is drawn anew each call
+            cache = None
+        if cache is not None:
+            outcome, values = cache.admit(request, self._weights.serving)
+            if outcome == HIT:
+                request.finish(self._delivered, values)  # type: ignore[arg-type]
+                return None
+            if outcome == JOINED:
+                self.queue.waiting(request.caller)
+                return None
         try:
             return self.queue.put(request, may_serve)
         except BaseException as err:
-            fail_all(cache.release([request]), err)  # the rows that joined it fail with it
+            if isinstance(err, (BadRequestError, QueueFullError)):
+                self._stats.rejected()
+            if cache is not None:
+                fail_all(cache.release([request]), err)  # the rows that joined it fail with it
             raise

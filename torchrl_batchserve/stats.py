@@ -59,6 +59,10 @@ class ServerStatistics:
     when their batch ended (a push during a forward makes its rows 1 behind);
     ``stale_rows`` and ``max_policy_lag`` sum it up. ``as_dict()`` is flat,
     for loggers (:func:`log_statistics`); ``dataclasses.asdict`` works too.
+    ``rejected_requests`` counts the requests the server refused at submit:
+    bad input (:class:`~torchrl_batchserve.errors.BadRequestError`) and a
+    full queue (:class:`~torchrl_batchserve.errors.QueueFullError`), which
+    ``requests`` (those a batch ran) never counts.
 
     Examples:
         >>> import torch
