@@ -38,6 +38,7 @@ from tensordict import TensorDictBase, is_non_tensor
 from tensordict.nn import InteractionType
 from torch import nn
 
+from torchrl_batchserve.checks import check_int
 from torchrl_batchserve.errors import BadRequestError
 from torchrl_batchserve.layout import call_user_fn, flat_rows, holds_tensors, shaped_rows
 from torchrl_batchserve.replica import tensors
@@ -154,8 +155,7 @@ class EvaluationCache:
     """
 
     def __init__(self, capacity: int = 100_000, key_fn: Callable[[TensorDictBase], Hashable] | None = None) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be an int >= 1 (got {capacity!r})")
+        check_int("capacity", capacity, 1)
         if key_fn is not None and not callable(key_fn):
             raise ValueError(f"key_fn must be callable as key_fn(td) -> hashable (got {key_fn!r})")
         self.capacity = capacity

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
+from torchrl_batchserve.checks import check_int, check_seconds, is_int
 from torchrl_batchserve.errors import WeightSyncError
 from torchrl_batchserve.weights import ShadowWeights, as_weights, castable, check_version, stampable
 
@@ -80,12 +81,10 @@ def check_group(address: Any, port: Any, world_size: Any, timeout: Any) -> None:
     """Raise a ``ValueError`` naming the first argument of a weight group that cannot be."""
     if not isinstance(address, str) or not address:
         raise ValueError(f"address must be a host name or an IP address (got {address!r})")
-    if not _is_int(port) or not 0 < port < 65536:
+    if not is_int(port) or not 0 < port < 65536:
         raise ValueError(f"port must be an int in 1..65535 (got {port!r})")
-    if not _is_int(world_size) or world_size < 2:
-        raise ValueError(f"world_size must be an int >= 2: the trainer and at least one server (got {world_size!r})")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise ValueError(f"timeout must be a finite number of seconds > 0 (got {timeout!r})")
+    check_int("world_size", world_size, 2, ": the trainer and at least one server")
+    check_seconds("timeout", timeout, positive=True)
     if timeout > MAX_TIMEOUT:
         raise ValueError(
             f"timeout must be at most {MAX_TIMEOUT:g} seconds (about 31 years): torch.distributed's deadlines "
@@ -111,10 +110,6 @@ def _group(address: str, port: int, rank: int, world_size: int, timeout: float) 
             f"{member}. {type(err).__name__}: {err}"
         ) from err
     return store, group
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _layout(weights: TensorDictBase) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -239,7 +234,7 @@ class WeightReceiver:
         timeout: float = 60.0,
     ) -> None:
         check_group(address, port, world_size, timeout)
-        if not _is_int(rank) or not 1 <= rank < world_size:
+        if not is_int(rank) or not 1 <= rank < world_size:
             raise ValueError(f"a server's rank must be an int in 1..{world_size - 1} (got {rank!r})")
         self._shadow = shadow
         self.rank, self.timeout = rank, timeout

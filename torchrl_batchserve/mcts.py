@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
 
+from torchrl_batchserve.checks import check_int, check_number
 from torchrl_batchserve.errors import SearchError
 from torchrl_batchserve.varlen import as_key
 
@@ -63,12 +64,6 @@ def _resume(walker: Walker, result: TensorDictBase | None = None, error: BaseExc
     """The walker's next request, computed without grad: never across an await, where other tasks run."""
     with torch.no_grad():
         return walker.send(result) if error is None else walker.throw(error)
-
-
-def _check_finite(name: str, number: Any, positive: bool = False) -> None:
-    """Raise ``ValueError`` unless ``number`` is a finite number >= 0 (> 0 if ``positive``)."""
-    if not (isinstance(number, (int, float)) and (0 < number if positive else 0 <= number) and number < math.inf):
-        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0 (got {number!r})")
 
 
 def _check_tree(tree: Any) -> None:
@@ -214,12 +209,11 @@ class TreeSearch:
         seed: int | None = None,
     ) -> None:
         for name, value in (("searchers", searchers), ("leaves_per_request", leaves_per_request)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
-        _check_finite("virtual_loss", virtual_loss)
-        _check_finite("c_puct", c_puct)
-        _check_finite("dirichlet_alpha", dirichlet_alpha, positive=True)
-        _check_finite("dirichlet_eps", dirichlet_eps)
+            check_int(name, value, 1)
+        check_number("virtual_loss", virtual_loss)
+        check_number("c_puct", c_puct)
+        check_number("dirichlet_alpha", dirichlet_alpha, positive=True)
+        check_number("dirichlet_eps", dirichlet_eps)
         if dirichlet_eps > 1:
             raise ValueError(f"dirichlet_eps must be in [0, 1] (got {dirichlet_eps!r})")
         if not callable(policy):
@@ -510,9 +504,8 @@ class TreeSearch:
     def _check(self, tree: Tree, simulations: int, temperature: float) -> TensorDictBase | None:
         """Refuse a run that cannot be searched; the root's request when it is not expanded yet."""
         _check_tree(tree)
-        if not isinstance(simulations, int) or isinstance(simulations, bool) or simulations < 1:
-            raise ValueError(f"simulations must be an int >= 1 (got {simulations!r})")
-        _check_finite("temperature", temperature)
+        check_int("simulations", simulations, 1)
+        check_number("temperature", temperature)
         root = tree.root
         if root.terminal is not None or not any(root.legal):
             raise ValueError("the root is a finished game: there is nothing to search")

@@ -64,10 +64,11 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tensordict import TensorDict, TensorDictBase
 
+from torchrl_batchserve.checks import check_int, check_seconds
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError, own_copy
 from torchrl_batchserve.gateway import Gateway, LinkListener, Unstacked, exit_as_killed_unless
 from torchrl_batchserve.remote import RemotePolicy
-from torchrl_batchserve.server import BatchedPolicyServer, check_seconds
+from torchrl_batchserve.server import BatchedPolicyServer
 from torchrl_batchserve.stats import ServerStatistics, check_since
 from torchrl_batchserve.transport.wire import dumps
 from torchrl_batchserve.weights import ShadowWeights, as_weights, check_version
@@ -118,8 +119,7 @@ def serve_on_ray(
     """
     if not ray.is_initialized():
         raise RuntimeError("serve_on_ray needs a connected Ray: call ray.init(...) first")
-    if not isinstance(gateway_depth, int) or isinstance(gateway_depth, bool) or gateway_depth < 1:
-        raise ValueError(f"gateway_depth must be an int >= 1 (got {gateway_depth!r})")
+    check_int("gateway_depth", gateway_depth, 1)
     start_timeout = check_seconds("start_timeout", start_timeout, positive=True)
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts}
     if resources:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import sys
 import threading
@@ -34,6 +33,7 @@ from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
 from torchrl_batchserve.cache import EvaluationCache, sampling_modes
+from torchrl_batchserve.checks import check_int, check_seconds
 from torchrl_batchserve.collate import StackCollate, as_collate
 from torchrl_batchserve.distributed import WeightReceiver
 from torchrl_batchserve.errors import ServerClosedError
@@ -169,30 +169,6 @@ def _check_stamp_key(key: Any, policy: TensorDictModuleBase) -> None:
                     f"policy_version_key={key!r} nests with the policy's {kind} entry {entry!r}: the stamp would "
                     "overwrite that entry, or be written inside it. Pass another key (or None for no stamp)"
                 )
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum} (got {value!r})")
-    return value
-
-
-def check_seconds(name: str, value: Any, positive: bool = False) -> float:
-    """``value`` as the seconds a thread may wait: >= 0 (> 0 if ``positive``), up to ``threading.TIMEOUT_MAX``."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
-        raise ValueError(f"{name} must be a finite number of seconds {'> 0' if positive else '>= 0'} (got {value!r})")
-    if value > threading.TIMEOUT_MAX:  # a wait that long raises OverflowError, in a serve loop or a close
-        raise ValueError(
-            f"{name} must be at most threading.TIMEOUT_MAX = {threading.TIMEOUT_MAX:g} seconds, the longest a "
-            f"thread can wait (got {value!r})"
-        )
-    return float(value)
 
 
 def _device(name: str, value: Any) -> torch.device | None:
@@ -341,13 +317,13 @@ class BatchedPolicyServer(TensorDictModule):
         policy = _as_policy(policy, in_keys, out_keys)
         _warn_if_training(policy)
         _refuse_hidden_state(policy)
-        _check_int("max_batch_size", max_batch_size, 1)
+        check_int("max_batch_size", max_batch_size, 1)
         timeout = check_seconds("timeout", timeout)
         if forward_timeout is not None:
             forward_timeout = check_seconds("forward_timeout", forward_timeout, positive=True)
         if max_queue_size is not None:
-            _check_int("max_queue_size", max_queue_size, 1)
-        if static_batch_size is not None and _check_int("static_batch_size", static_batch_size, 1) < max_batch_size:
+            check_int("max_queue_size", max_queue_size, 1)
+        if static_batch_size is not None and check_int("static_batch_size", static_batch_size, 1) < max_batch_size:
             raise ValueError(
                 f"static_batch_size must be >= max_batch_size={max_batch_size}: a full batch is padded to it, "
                 f"never cut (got {static_batch_size})"
@@ -357,7 +333,7 @@ class BatchedPolicyServer(TensorDictModule):
                 f"cost_fn and max_batch_cost go together (got cost_fn={cost_fn!r}, max_batch_cost={max_batch_cost!r})"
             )
         if max_batch_cost is not None:
-            _check_int("max_batch_cost", max_batch_cost, 1)
+            check_int("max_batch_cost", max_batch_cost, 1)
             if not callable(cost_fn) or isinstance(cost_fn, type):  # a class would make an object, not a cost
                 raise ValueError(f"cost_fn must be callable as cost_fn(td) -> int (got {cost_fn!r})")
         if policy_version_key is not None:

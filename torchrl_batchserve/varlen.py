@@ -26,6 +26,7 @@ from tensordict.utils import NestedKey, unravel_key
 from torch.nn import functional
 from torch.nn.utils.rnn import pad_sequence
 
+from torchrl_batchserve.checks import check_int
 from torchrl_batchserve.collate import all_single, split_rows, stack_column
 from torchrl_batchserve.errors import BadRequestError, PolicyError
 from torchrl_batchserve.request import Request
@@ -68,12 +69,6 @@ def _key_set(name: str, keys: Any, *, required: bool) -> tuple[NestedKey, ...]:
     if required and not out:
         raise ValueError(f"{name} must name at least one entry (got {keys!r})")
     return out
-
-
-def _check_dim(dim: Any) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-        raise ValueError(f"dim must be an int >= 0, counted after the request's batch dims (got {dim!r})")
-    return dim
 
 
 def _shared_length(
@@ -177,7 +172,7 @@ class PadCollate:
         pad_values: Mapping[NestedKey, float | int | bool] | None = None,
     ) -> None:
         self.keys = _key_set("keys", keys, required=True)
-        self.dim = _check_dim(dim)
+        self.dim = check_int("dim", dim, 0, ", counted after the request's batch dims")
         self.mask_key = None if mask_key is None else as_key(mask_key, "mask_key")
         self.trim_keys = _key_set("trim_keys", trim_keys, required=False)
         if buckets is not None:
@@ -422,7 +417,7 @@ class LengthCost:
 
     def __init__(self, key: NestedKey, *, dim: int = 0) -> None:
         self.key = as_key(key, "LengthCost key")
-        self.dim = _check_dim(dim)
+        self.dim = check_int("dim", dim, 0, ", counted after the request's batch dims")
 
     def __call__(self, td: TensorDictBase) -> int:
         value = td.get(self.key, None)
