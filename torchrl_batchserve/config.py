@@ -204,33 +204,19 @@ def server(name: str = "server", policy: Any = None, **kwargs: Any) -> BatchedPo
     return _named(name, policy, kwargs, lambda: build_server(kwargs, instantiate(policy, _convert_="all")).start())
 
 
-def ray_server(
-    name: str = "server",
-    policy: Any = None,
-    *,
-    num_gpus: float = 0,
-    num_cpus: float = 1,
-    resources: dict[str, float] | None = None,
-    max_restarts: int = 0,
-    gateway_depth: int = 2,
-    start_timeout: float = 120.0,
-    **kwargs: Any,
-) -> Any:
+_PLACEMENT = ("num_gpus", "num_cpus", "resources", "max_restarts", "gateway_depth", "start_timeout")
+
+
+def ray_server(name: str = "server", policy: Any = None, **kwargs: Any) -> Any:
     """The handle of the Ray-served server called ``name``, started the first time (as :func:`server`).
 
-    Called by Hydra for a :class:`RayServerConfig` node. The policy node
+    Called by Hydra for a :class:`RayServerConfig` node: ``serve_on_ray``'s
+    placement keywords go to it, the others to the server. The policy node
     travels to the server actor and is instantiated there.
     """
     from torchrl_batchserve.ray import serve_on_ray
 
-    placement = dict(
-        num_gpus=num_gpus,
-        num_cpus=num_cpus,
-        resources=_plain(resources),
-        max_restarts=max_restarts,
-        gateway_depth=gateway_depth,
-        start_timeout=start_timeout,
-    )
+    placement = {k: _plain(kwargs.pop(k)) for k in _PLACEMENT if k in kwargs}
 
     def start() -> Any:
         factory = functools.partial(instantiate, _plain(policy), _convert_="all")
