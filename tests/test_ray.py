@@ -691,6 +691,21 @@ def torchrl_semaphores_removed():
                 os.unlink(os.path.join("/dev/shm", name))
 
 
+def ended_or_killed(pids: list[int], within: float = 20.0) -> None:
+    """Wait for the processes of ``pids`` to end; kill those left after ``within`` seconds.
+
+    TorchRL 0.14.1's ``RayCollector.shutdown()`` ends a remote ``MultiSyncCollector`` with the collector alive:
+    at the interpreter's exit its default weight sync scheme's ``__del__`` starts a thread, which never starts
+    then, and the process hangs for good (``ray::MultiSyncCollector`` left behind after the suite).
+    """
+    deadline = time.monotonic() + within
+    for pid in pids:
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.usefixtures("torchrl_semaphores_removed")
 def test_worker_processes_of_a_collector_on_an_actor_node_reach_the_server_through_the_nodes_gateway(cluster):
     # each remote collector a MultiSyncCollector: it pickles the policy into spawned processes, which are not Ray
@@ -724,7 +739,9 @@ def test_worker_processes_of_a_collector_on_an_actor_node_reach_the_server_throu
                 collector.update_policy_weights_(trainer)
                 weights = TensorDict.from_module(trainer).data.clone()
         finally:
+            pids = ray.get([c.__ray_call__.remote(lambda self: os.getpid()) for c in collector.remote_collectors])
             collector.shutdown()
+            ended_or_killed(pids)
         assert i == 1
         (gateway,) = handle.gateway_statistics().values()
         assert gateway.rows >= 64
