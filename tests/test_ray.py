@@ -695,8 +695,8 @@ def ended_or_killed(pids: list[int], within: float = 20.0) -> None:
     """Wait for the processes of ``pids`` to end; kill those left after ``within`` seconds.
 
     TorchRL 0.14.1's ``RayCollector.shutdown()`` ends a remote ``MultiSyncCollector`` with the collector alive:
-    at the interpreter's exit its default weight sync scheme's ``__del__`` starts a thread, which never starts
-    then, and the process hangs for good (``ray::MultiSyncCollector`` left behind after the suite).
+    if its default weight sync scheme is collected at the interpreter's exit, its ``__del__`` starts a thread,
+    which never runs then, and the process hangs for good (a ``ray::MultiSyncCollector`` left after the suite).
     """
     deadline = time.monotonic() + within
     for pid in pids:
