@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_int", "check_number", "check_seconds", "is_int"]
+import torch
+
+__all__ = ["check_device", "check_devices", "check_int", "check_number", "check_seconds", "is_int"]
 
 
 def is_int(value: Any) -> bool:
@@ -44,3 +47,32 @@ def check_seconds(name: str, value: Any, positive: bool = False) -> float:
             f"thread can wait (got {value!r})"
         )
     return seconds
+
+
+def check_device(name: str, value: Any) -> torch.device | None:
+    """``value`` as a device values can be served on (``None`` stays ``None``); ``"cuda"`` names the current one."""
+    if value is None:
+        return None
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"{name} must be a torch.device or a device string (got {value!r})") from err
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={value!r}: this torch build or machine has no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={value!r}: there are {torch.cuda.device_count()} CUDA devices")
+        if device.index is None:  # "cuda" is the current device: named by index, as its tensors' devices are
+            device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "meta":
+        raise ValueError(f"{name}={value!r}: the meta device holds no values to serve")
+    return device
+
+
+def check_devices(value: Any) -> list[torch.device | None]:
+    """``device`` as one entry per replica: a device, ``None``, or a non-empty sequence of devices."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if not value:
+            raise ValueError("device must name at least one device (got an empty sequence)")
+        return [check_device(f"device[{i}]", d) for i, d in enumerate(value)]
+    return [check_device("device", value)]

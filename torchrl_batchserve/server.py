@@ -13,190 +13,42 @@ This file checks the arguments, builds the parts and closes them.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from queue import SimpleQueue
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential, dispatch
+from tensordict.nn import TensorDictModule, TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
 from torchrl_batchserve.cache import EvaluationCache, sampling_modes
-from torchrl_batchserve.checks import check_int, check_seconds
+from torchrl_batchserve.checks import check_device, check_devices, check_int, check_seconds
 from torchrl_batchserve.collate import StackCollate, as_collate
 from torchrl_batchserve.distributed import WeightReceiver
 from torchrl_batchserve.errors import ServerClosedError
 from torchrl_batchserve.intake import CURRENT, Intake
 from torchrl_batchserve.layout import Layout, layout_of
+from torchrl_batchserve.policy import as_policy, check_stamp_key, read_keys, refuse_hidden_state, warn_if_training
 from torchrl_batchserve.queue import RequestQueue
+from torchrl_batchserve.reaper import collected, start_reaper
 from torchrl_batchserve.remote import RemotePolicy, primers_of
 from torchrl_batchserve.replica import Replica, served_copy
 from torchrl_batchserve.serve import Serving, serving_here
 from torchrl_batchserve.stats import ReplicaStatistics, ServerStatistics, StatisticsRecorder, check_since
-from torchrl_batchserve.transport.local import LazyHub, LocalEndpoint
-from torchrl_batchserve.varlen import PackCollate, as_key
-from torchrl_batchserve.weights import ShadowWeights, key_path, non_persistent
+from torchrl_batchserve.transport.local import LocalEndpoint
+from torchrl_batchserve.varlen import PackCollate
+from torchrl_batchserve.weights import ShadowWeights, non_persistent
 
 __all__ = ["BatchedPolicyServer"]
 
 _log = logging.getLogger(__name__)
-
-
-def _as_policy(policy: Any, in_keys: Any, out_keys: Any) -> TensorDictModuleBase:
-    if isinstance(policy, BatchedPolicyServer):
-        raise TypeError("policy is a BatchedPolicyServer; serve its policy, or pass server.remote_policy() to actors")
-    if isinstance(policy, TensorDictModuleBase):
-        if in_keys is not None or out_keys is not None:
-            raise TypeError("in_keys/out_keys are taken from a TensorDictModuleBase policy; do not pass them")
-        return policy
-    if isinstance(policy, nn.Module):
-        in_keys = in_keys if in_keys is not None else getattr(policy, "in_keys", None)
-        out_keys = out_keys if out_keys is not None else getattr(policy, "out_keys", None)
-        if in_keys is None or out_keys is None:
-            raise TypeError(
-                f"policy {type(policy).__name__} is a plain nn.Module: pass in_keys= and out_keys= "
-                "(or give the module in_keys/out_keys attributes)"
-            )
-        return TensorDictModule(policy, in_keys=in_keys, out_keys=out_keys)
-    raise TypeError(f"policy must be a TensorDictModuleBase or an nn.Module, got {type(policy).__name__}")
-
-
-def _read_keys(policy: TensorDictModuleBase) -> list[NestedKey]:
-    """``policy``'s ``in_keys`` less those its own modules write entries under before any reads them.
-
-    A ``TensorDictSequential`` leaves out of its ``in_keys`` a key an earlier module writes, but not one
-    whose entries it writes: a ``ProbabilisticActor(..., in_keys=["params"])`` over a module writing
-    ``("params", "cat", "logits")`` (a ``CompositeDistribution``'s) lists ``"params"``, which no request holds.
-    """
-    read: set[tuple] = set()
-    written: list[tuple] = []
-    internal: set[tuple] = set()
-
-    def walk(module: TensorDictModuleBase) -> None:
-        if isinstance(module, TensorDictSequential):
-            for inner in module.module:
-                walk(inner)
-            return
-        for path in map(key_path, unravel_key_list(list(module.in_keys))):
-            if path not in read:
-                read.add(path)
-                if any(len(w) > len(path) and w[: len(path)] == path for w in written):
-                    internal.add(path)
-        written.extend(map(key_path, unravel_key_list(list(module.out_keys))))
-
-    walk(policy)
-    return [k for k in unravel_key_list(list(policy.in_keys)) if key_path(k) not in internal]
-
-
-# Modules whose training mode changes what a served row gets, and how.
-_TRAINING_MODE = (
-    (
-        "batch norms",
-        (
-            nn.BatchNorm1d,
-            nn.BatchNorm2d,
-            nn.BatchNorm3d,
-            nn.LazyBatchNorm1d,
-            nn.LazyBatchNorm2d,
-            nn.LazyBatchNorm3d,
-            nn.SyncBatchNorm,
-        ),
-        "each row's outputs would depend on the other rows of its batch (and a batch of one row fails)",
-    ),
-    (
-        "dropouts",
-        (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout),
-        "each forward zeroes units at random",
-    ),
-)
-
-
-def _warn_if_training(policy: nn.Module) -> None:
-    for kind, classes, effect in _TRAINING_MODE:
-        training = [
-            name or type(m).__name__ for name, m in policy.named_modules() if isinstance(m, classes) and m.training
-        ]
-        if training:
-            warnings.warn(
-                f"the policy's {kind} {training} are in training mode: {effect}. The server serves its copy in the "
-                "mode the policy has when the server is built: call policy.eval() first, or server.eval()",
-                UserWarning,
-                stacklevel=3,
-            )
-
-
-def _refuse_hidden_state(policy: nn.Module) -> None:
-    """Refuse TorchRL modules that read their per-env state back from entries their ``in_keys`` do not list."""
-    if "torchrl.modules" not in sys.modules:  # else no module of it exists here, and importing it costs 50 MB
-        return
-    from torchrl.modules import MultiStepActorWrapper, OrnsteinUhlenbeckProcessModule
-
-    for name, module in policy.named_modules():
-        if isinstance(module, (OrnsteinUhlenbeckProcessModule, MultiStepActorWrapper)):
-            kind = f"{name!r} ({type(module).__name__})" if name else type(module).__name__
-            raise ValueError(
-                f"the policy's {kind} reads the state it writes ({module.out_keys}) back from the "
-                f"next step's TensorDict, but lists only {module.in_keys} as in_keys: no request carries that state "
-                "to the server, so every served step would start it anew. Serve what it wraps and wrap each "
-                "RemotePolicy in it instead, e.g. TensorDictSequential(server.remote_policy(), "
-                "OrnsteinUhlenbeckProcessModule(...)) or MultiStepActorWrapper(server.remote_policy(), n_steps=...)"
-            )
-
-
-def _check_stamp_key(key: Any, policy: TensorDictModuleBase) -> None:
-    """Refuse a ``policy_version_key`` that is no key, or that would overwrite (or nest in) a policy's entry."""
-    stamp = key_path(as_key(key, "policy_version_key"))
-    for kind in ("out_keys", "in_keys"):
-        for entry in map(key_path, unravel_key_list(list(getattr(policy, kind)))):
-            if entry == stamp:
-                raise ValueError(
-                    f"policy_version_key={key!r} is one of the policy's {kind}: the stamp would overwrite it in "
-                    "every result. Pass another key (or None for no stamp)"
-                )
-            if entry[: len(stamp)] == stamp or stamp[: len(entry)] == entry:
-                raise ValueError(
-                    f"policy_version_key={key!r} nests with the policy's {kind} entry {entry!r}: the stamp would "
-                    "overwrite that entry, or be written inside it. Pass another key (or None for no stamp)"
-                )
-
-
-def _device(name: str, value: Any) -> torch.device | None:
-    if value is None:
-        return None
-    try:
-        device = torch.device(value)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"{name} must be a torch.device or a device string (got {value!r})") from err
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{name}={value!r}: this torch build or machine has no CUDA device")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"{name}={value!r}: there are {torch.cuda.device_count()} CUDA devices")
-        if device.index is None:  # "cuda" is the current device: named by index, as its tensors' devices are
-            device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "meta":
-        raise ValueError(f"{name}={value!r}: the meta device holds no values to serve")
-    return device
-
-
-def _devices(value: Any) -> list[torch.device | None]:
-    """``device`` as one entry per replica: a device, ``None``, or a non-empty sequence of devices."""
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        if not value:
-            raise ValueError("device must name at least one device (got an empty sequence)")
-        return [_device(f"device[{i}]", d) for i, d in enumerate(value)]
-    return [_device("device", value)]
 
 
 class BatchedPolicyServer(TensorDictModule):
@@ -314,9 +166,13 @@ class BatchedPolicyServer(TensorDictModule):
         in_keys: Sequence[NestedKey] | None = None,
         out_keys: Sequence[NestedKey] | None = None,
     ) -> None:
-        policy = _as_policy(policy, in_keys, out_keys)
-        _warn_if_training(policy)
-        _refuse_hidden_state(policy)
+        if isinstance(policy, BatchedPolicyServer):
+            raise TypeError(
+                "policy is a BatchedPolicyServer; serve its policy, or pass server.remote_policy() to actors"
+            )
+        policy = as_policy(policy, in_keys, out_keys)
+        warn_if_training(policy)
+        refuse_hidden_state(policy)
         check_int("max_batch_size", max_batch_size, 1)
         timeout = check_seconds("timeout", timeout)
         if forward_timeout is not None:
@@ -337,16 +193,16 @@ class BatchedPolicyServer(TensorDictModule):
             if not callable(cost_fn) or isinstance(cost_fn, type):  # a class would make an object, not a cost
                 raise ValueError(f"cost_fn must be callable as cost_fn(td) -> int (got {cost_fn!r})")
         if policy_version_key is not None:
-            _check_stamp_key(policy_version_key, policy)
+            check_stamp_key(policy_version_key, policy)
         if cache is not None and not isinstance(cache, EvaluationCache):
             raise TypeError(f"cache must be an EvaluationCache or None, got {type(cache).__name__}")
-        devices = _devices(device)
-        output_device = _device("output_device", output_device)
+        devices = check_devices(device)
+        output_device = check_device("output_device", output_device)
         if collate is None and any(d is not None and d.type == "cuda" for d in devices):
             collate = StackCollate(pin_memory=True)
         collate = as_collate(collate)
         provided = set(unravel_key_list(list(getattr(collate, "provided_keys", ()))))
-        in_keys = _read_keys(policy)
+        in_keys = read_keys(policy)
         keys = [k for k in in_keys if k not in provided]
         variable = getattr(collate, "variable_dims", None) or {}
         unread = [k for k in variable if k not in keys]
@@ -416,9 +272,9 @@ class BatchedPolicyServer(TensorDictModule):
         # Dropped without close() (and no RemotePolicy left in this process): the loops end, queued requests
         # fail, the hub goes (they never hold the server).
         self._finalizer = weakref.finalize(
-            self, _collected, os.getpid(), self._queue, self._serving, self._endpoint.lazy_hub, self._receivers
+            self, collected, os.getpid(), self._queue, self._serving, self._endpoint.lazy_hub, self._receivers
         )
-        _start_reaper()
+        start_reaper()
         try:
             self._serving.start(self._replicas)
         except BaseException:  # a thread that cannot start (a container's process limit): none stays waiting
@@ -642,83 +498,6 @@ class BatchedPolicyServer(TensorDictModule):
         return self._stats.snapshot(self._weights.latest_version, self.cache, replicas, since)
 
 
-def _abandon(
-    queue: RequestQueue, serving: Serving, hub: LazyHub, receivers: list[WeightReceiver], wait: float = 0.0
-) -> None:
-    """A server collected without ``close()``: fail what is queued, end its loops, its hub and its weight groups.
-
-    A group member that stops receiving fails the trainer's next push, rather than take it for nobody.
-    ``wait``: the seconds its running forwards and its hub's threads get to end (at exit: :data:`EXIT_WAIT`).
-    """
-    deadline = time.monotonic() + wait
-    serving.fail_closed(queue.close(cancel_pending=True))
-    serving.close()
-    hub.close(wait)
-    for receiver in receivers:
-        receiver.close(0.0)
-    serving.join(max(0.0, deadline - time.monotonic()))
-
-
-# At exit, the seconds a server left unclosed gets for the forwards it runs and its hub's threads: a daemon
-# thread still inside torch when the interpreter finalizes is ended there (pthread_exit, Python <= 3.13), which
-# aborts the process.
-EXIT_WAIT = 10.0
-
-
-# A server in a reference cycle is collected inside whichever allocation of whichever thread the garbage
-# collector runs in: a serve loop holding its queue's lock, say, which _abandon would then wait for forever.
-# So its finalizer only puts its parts in a queue whose put may interrupt another (SimpleQueue's), and one
-# thread of the process, the reaper, abandons them. At exit, once the reaper may no longer run, the
-# finalizers of the servers still alive abandon them themselves (atexit, in the main thread).
-_abandoned: SimpleQueue[tuple[RequestQueue, Serving, LazyHub, list]] = SimpleQueue()
-_reaper: threading.Thread | None = None
-_reaper_lock = threading.Lock()
-_exiting = False
-
-
-def _collected(pid: int, queue: RequestQueue, serving: Serving, hub: LazyHub, receivers: list) -> None:
-    """The finalizer of a server: collected without ``close()``, or alive at exit."""
-    if os.getpid() != pid:
-        return  # a forked child's copy: its serve loops and hub are its parent's
-    if _exiting and threading.current_thread() is threading.main_thread():  # atexit's, not a collection elsewhere
-        _abandon(queue, serving, hub, receivers, wait=EXIT_WAIT)
-    else:
-        _abandoned.put((queue, serving, hub, receivers))
-
-
-def _reap() -> None:
-    while True:
-        parts = _abandoned.get()
-        try:
-            _abandon(*parts)
-        except Exception:  # the next one is still closed
-            _log.exception("could not close a server collected without close()")
-
-
-def _start_reaper() -> None:
-    """Start the process's reaper, if none runs; called after a server's finalizer is made."""
-    global _reaper
-    with _reaper_lock:
-        if _reaper is None:
-            atexit.unregister(_at_exit)
-            atexit.register(_at_exit)  # after weakref's own hook, made with the first finalizer: so it runs first
-            _reaper = threading.Thread(target=_reap, name="batchserve-reaper", daemon=True)
-            _reaper.start()
-
-
-def _at_exit() -> None:
-    global _exiting
-    _exiting = True
-    while not _abandoned.empty():
-        _abandon(*_abandoned.get(), wait=EXIT_WAIT)
-
-
-def _forget_reaper_in_child() -> None:
-    global _abandoned, _reaper, _reaper_lock
-    # The parent's (its lock perhaps held by another of its threads): a server made here starts the child's own.
-    _abandoned, _reaper, _reaper_lock = SimpleQueue(), None, threading.Lock()
-
-
 # A RemotePolicy inherited by fork (not pickled) must find its server's hub in
 # the child: before any fork, every running server starts its hub. One hook
 # for the process, over the servers alive now.
@@ -734,4 +513,4 @@ def _before_fork() -> None:
             _log.exception("could not start the process hub of a %s before fork", type(server).__name__)
 
 
-os.register_at_fork(before=_before_fork, after_in_child=_forget_reaper_in_child)
+os.register_at_fork(before=_before_fork)
