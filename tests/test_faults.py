@@ -40,7 +40,7 @@ from torchrl_batchserve.errors import own_copy
 from torchrl_batchserve.intake import Intake
 from torchrl_batchserve.queue import RequestQueue
 from torchrl_batchserve.request import BlockingRequest, Relay
-from torchrl_batchserve.transport.hub import _Client
+from torchrl_batchserve.transport.connection import Connection
 
 
 def client_of(server):
@@ -598,7 +598,7 @@ def test_a_program_that_exits_while_an_unclosed_servers_forward_runs_exits_clean
 def test_a_hub_client_dropped_twice_closes_no_descriptor_that_reused_its_numbers():
     # Closing a client is idempotent: the numbers of its descriptors may be another file's by the second call.
     ours, theirs = socket.socketpair()
-    client = _Client(ours, 1, on_backlog=lambda client: None)
+    client = Connection(ours, 1, on_backlog=lambda client: None)
     os.close(client.headers_fd)  # (the handshake's, once the worker has it)
     bells = {client.requests_bell, client.replies_bell}
     client.close()

@@ -28,9 +28,10 @@ from torch import nn
 
 from torchrl_batchserve import BatchedPolicyServer, ServerBrokenError, ServerClosedError, WeightSyncError
 from torchrl_batchserve.transport import client as client_module
-from torchrl_batchserve.transport import hub as hub_module
+from torchrl_batchserve.transport import connection as connection_module
 from torchrl_batchserve.transport.client import ProcessClient
-from torchrl_batchserve.transport.hub import ProcessHub, _Client
+from torchrl_batchserve.transport.connection import Connection
+from torchrl_batchserve.transport.hub import ProcessHub
 from torchrl_batchserve.transport.slots import Slot
 
 SPAWN = mp.get_context("spawn")
@@ -285,7 +286,7 @@ def test_a_stopped_worker_with_a_reply_too_big_for_its_socket_holds_up_no_other_
 
 def test_a_slot_offered_to_a_worker_already_gone_leaks_no_descriptor():
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    client = _Client(here, ident=1, on_backlog=lambda client: None)
+    client = Connection(here, ident=1, on_backlog=lambda client: None)
     os.close(client.headers_fd)  # (the handshake sends it, then closes it)
     there.close()
     client.alive = False  # a reply found the worker gone
@@ -410,7 +411,7 @@ def test_a_hub_that_cannot_make_a_lane_serves_its_workers_pickled_and_says_why_o
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(Slot, "create", out_of_descriptors)
-    monkeypatch.setattr(hub_module, "_SLOTS_WARNED", False)
+    monkeypatch.setattr(connection_module, "_SLOTS_WARNED", False)
     obs = [torch.randn(8, generator=torch.Generator().manual_seed(i)) for i in range(16)]
 
     async def rounds(remote) -> list:

@@ -37,14 +37,15 @@ requests.
 Threads: one accept thread; one short-lived thread per connection for its
 handshake (bounded by ``HANDSHAKE_TIMEOUT``, so a client that never answers
 blocks no one); one reader thread for every client, which turns each request
-into a :class:`ProcessRequest` through the server's
-:class:`~torchrl_batchserve.intake.Intake`, the same checks as in-process
-callers. A request that fails in any way fails alone; if the reader itself
-dies (a bug), every worker is told and dropped, since no one would read its
-requests. Replies are written by the serve loop that completes the request;
-what a client's socket does not take at once waits, in order, in the client's
-outbox, which the reader sends as the socket drains: no serve loop ever waits
-on a worker (one stopped with a large reply due holds up no one).
+into a :class:`~torchrl_batchserve.transport.connection.ProcessRequest` through
+the server's :class:`~torchrl_batchserve.intake.Intake`, the same checks as
+in-process callers. A request that fails in any way fails alone; if the reader
+itself dies (a bug), every worker is told and dropped, since no one would read
+its requests. Replies are written by the serve loop that completes the request,
+through the client's :class:`~torchrl_batchserve.transport.connection.Connection`;
+what its socket does not take at once waits, in order, in its outbox, which the
+reader sends as the socket drains: no serve loop ever waits on a worker (one
+stopped with a large reply due holds up no one).
 The reader alone closes the descriptors of the clients it reads (a worker that
 hung up, and every worker when the hub closes), so none is closed under it,
 and its own wake-up pipe as it ends (a close that stops waiting for it leaks none).
@@ -89,21 +90,19 @@ import tempfile
 import threading
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tensordict import TensorDict
 from tensordict.nn import InteractionType
 
-from torchrl_batchserve.errors import BadRequestError, PolicyError, portable
+from torchrl_batchserve.errors import BadRequestError
 from torchrl_batchserve.intake import Intake
-from torchrl_batchserve.replica import host_copies, to_host
 from torchrl_batchserve.request import Request
-from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Headers, Lane, Slot, on_host, storable
-from torchrl_batchserve.transport.wire import Wire, dumps, frame
+from torchrl_batchserve.transport.connection import Connection, ProcessRequest, close_all, done_message, new_slot
+from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, MAX_LANES, Lane, on_host, storable
 
-__all__ = ["HANDSHAKE_TIMEOUT", "ProcessHub", "ProcessRequest"]
+__all__ = ["HANDSHAKE_TIMEOUT", "ProcessHub"]
 
 _log = logging.getLogger(__name__)
 _MODES = {m.value: m for m in InteractionType}
@@ -111,213 +110,6 @@ HANDSHAKE_TIMEOUT = 5.0
 """Seconds a new connection has to send its key; then it is dropped."""
 AUTHKEY_BYTES = 16
 ADMITTED, REFUSED_BROKEN = b"\x01", b"\x02"  # the hub's answer to a client's key
-
-
-class _Client:
-    """A connected worker: its socket, its bells and headers, and its lanes.
-
-    Nothing waits on its socket: what the socket does not take at once waits
-    in its outbox, in order, and the reader sends it when the socket is
-    writable again (``on_backlog`` tells it). A worker that stops reading
-    (stopped, or its threads starved) holds up no serve loop.
-    """
-
-    def __init__(self, sock: socket.socket, ident: int, on_backlog: Callable[[_Client], None]) -> None:
-        self.wire = Wire(sock, receives_fds=False)  # workers send no descriptors
-        self.ident = ident
-        self.caller = ("process", ident)
-        self.send_lock = threading.Lock()
-        self.outbox: deque[tuple[memoryview, list[int]]] = deque()  # (the rest of a frame, its descriptors)
-        self._on_backlog = on_backlog
-        self.requests_bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self.replies_bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        headers, self.headers_fd = Headers.create()
-        self.headers: Headers | None = headers
-        self.lanes: list[Lane] = []
-        self.in_flight = 0  # requests accepted and not yet answered (under send_lock)
-        self.varying = False
-        self.alive = True
-        self.closed = False
-
-    def send(self, message: Any, fds: Sequence[int] = ()) -> None:
-        """Send ``message``, with the descriptors ``fds`` if any (closed here, sent or not)."""
-        with self.send_lock:
-            self._send(message, fds)
-
-    def _send(self, message: Any, fds: Sequence[int] = ()) -> None:
-        """Send ``message``, or queue it behind what waits; ``fds`` are closed once sent (or not to be)."""
-        try:
-            data = memoryview(frame(message))
-        except BaseException:
-            _close_all(fds)
-            raise
-        if not self.alive:
-            _close_all(fds)
-            return
-        self.outbox.append((data, list(fds)))
-        if len(self.outbox) == 1 and not self.flush_locked():
-            self._on_backlog(self)
-
-    def flush(self) -> bool:
-        """Send what waits in the outbox, as far as the socket takes it; whether it is empty."""
-        with self.send_lock:
-            return self.flush_locked()
-
-    def flush_locked(self) -> bool:
-        outbox = self.outbox
-        try:
-            while outbox and self.alive:
-                data, fds = outbox[0]
-                sent = self.wire.send_some(data, fds)
-                if sent:
-                    _close_all(fds)  # they went with the first byte
-                    fds.clear()
-                if sent < len(data):
-                    outbox[0] = (data[sent:], fds)
-                    return False
-                outbox.popleft()
-        except OSError:
-            self.alive = False  # the worker is gone; the reader sees EOF too
-        if not self.alive:
-            while outbox:
-                _close_all(outbox.popleft()[1])
-        return True
-
-    def reply(self, request: ProcessRequest) -> None:
-        """Send ``request``'s outcome: its outputs in its lane, or over the socket.
-
-        It fails this request alone, never the serve loop that completes it.
-        """
-        with self.send_lock:
-            lane, seq = request.lane, request.seq
-            self.in_flight -= 1
-            try:
-                if request.error is not None:
-                    self._send(_done(seq, request.error))
-                    return
-                if lane is None:
-                    self._send_outputs(request)
-                else:
-                    with host_copies(request.values):  # the lane's copies, device outputs included
-                        self._reply(request, lane)
-            except Exception as err:  # e.g. no memory for a slot
-                self._send(_done(seq, err))
-
-    def _send_outputs(self, request: ProcessRequest) -> None:
-        """The outputs pickled; ones that do not pickle fail the request with a :class:`PolicyError`.
-
-        A request made on the CPU gets them on the CPU, as through a lane
-        (a worker's device inputs travel pickled, and keep their device).
-        """
-        keys, values = list(request.keys), list(request.values)
-        if request.device is not None and request.device.type == "cpu":
-            values = [to_host(v) for v in values]
-        try:
-            message = _done(request.seq, values=values, keys=keys)
-        except Exception as err:
-            error = PolicyError(f"out_keys {keys}: the outputs do not pickle, so they cannot reach a worker ({err!r})")
-            message = _done(request.seq, error)
-        self._send(message)
-
-    def _reply(self, request: ProcessRequest, lane: Lane) -> None:
-        values, keys, rows, shape = list(request.values), list(request.keys), request.rows, request.batch_shape
-        slot = lane.outputs
-        if slot is not None and slot.fits(values, rows, shape):
-            slot.write(values, rows, shape)  # device outputs too: a worker gets its results on the CPU
-            try:
-                if self.alive:
-                    os.eventfd_write(self.replies_bell, 1 << lane.index)
-            except OSError:  # a client that rang a lane twice overflowed its bell: it gets nothing more
-                self.alive = False
-            return
-        if not all(storable(v) for v in values):
-            self._send_outputs(request)  # non-tensor outputs: pickled
-            return
-        # The lane's first outputs (or of a new shape): a new output slot comes with this reply.
-        specs = [(k, v.dtype, tuple(v.shape[len(shape) :])) for k, v in zip(keys, values)]
-        made = _new_slot(specs, lane.inputs.capacity)
-        if made is None:
-            self._send_outputs(request)
-            return
-        slot, fd = made
-        slot.write(values, rows, shape)
-        lane.outputs = slot
-        self._send(_done(request.seq, out=slot.describe()), fds=[fd])
-
-    def close(self) -> None:
-        """Close every descriptor, once (the caller holds ``send_lock`` or is the only thread left).
-
-        Once, whoever calls again: a number closed twice may by then be
-        another file's.
-        """
-        self.alive = False
-        self.flush_locked()  # (dead: drops what waits, its descriptors closed)
-        if self.closed:
-            return
-        self.closed = True
-        for close in (self.wire.close, lambda: os.close(self.requests_bell), lambda: os.close(self.replies_bell)):
-            try:
-                close()
-            except OSError:
-                pass
-
-
-def _new_slot(specs: Sequence[tuple[Any, Any, tuple[int, ...]]], capacity: int) -> tuple[Slot, int] | None:
-    """A new slot and its descriptor; ``None`` where the process has no descriptor or memory left for one.
-
-    Lanes only save time: without one, requests and replies travel pickled.
-    Said once a process, on the ``torchrl_batchserve`` logger.
-    """
-    global _SLOTS_WARNED
-    try:
-        return Slot.create(specs, capacity)
-    except OSError as err:
-        if not _SLOTS_WARNED:
-            _SLOTS_WARNED = True
-            _log.warning(
-                "no shared-memory lane for a worker (%s): its requests and replies travel pickled, which is "
-                "slower; raise the open-file limit (ulimit -n) if it is out of descriptors",
-                err,
-            )
-        return None
-
-
-_SLOTS_WARNED = False
-
-
-def _close_all(fds: Sequence[int]) -> None:
-    for fd in fds:
-        os.close(fd)
-
-
-def _done(seq: int, error: BaseException | None = None, values: Any = None, keys: Any = None, out: Any = None) -> tuple:
-    """The ``done`` message of request ``seq``: its outcome pickled on its own (``None``: outputs in the lane).
-
-    So an outcome the worker cannot unpickle (an error or an output of a class
-    it cannot import) fails that request alone, not the worker's connection.
-    """
-    outcome = None
-    if error is not None or values is not None:
-        outcome = dumps((None if error is None else portable(error), values, keys))
-    return ("done", seq, outcome, out)
-
-
-class ProcessRequest(Request):
-    """A request from a worker process; its outcome goes back through its lane or the client's socket."""
-
-    __slots__ = ("client", "lane", "seq")
-
-    def __init__(self, *args: Any, client: _Client, seq: int, lane: Lane | None = None) -> None:
-        super().__init__(*args)
-        self.client = client
-        self.seq = seq
-        self.lane = lane  # where its inputs are and its outputs go (None: pickled both ways)
-
-    def claim(self) -> bool:
-        return not self.done and self.client.alive
-
-    def _wake(self) -> None:
-        self.client.reply(self)
 
 
 _HUBS: weakref.WeakSet[ProcessHub] = weakref.WeakSet()
@@ -375,9 +167,9 @@ class ProcessHub:
         self._listener.listen(4096)  # (the kernel caps it at net.core.somaxconn) workers may all connect at once
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
-        self._pending: list[_Client] = []
-        self._clients: dict[int, _Client] = {}
-        self._backlogged: set[_Client] = set()  # clients whose outbox waits for their socket
+        self._pending: list[Connection] = []
+        self._clients: dict[int, Connection] = {}
+        self._backlogged: set[Connection] = set()  # clients whose outbox waits for their socket
         self.arrived = {"lane": 0, "socket": 0}  # requests accepted, by how they came (written by the reader only)
         self._next_id = 0
         self._closed = False
@@ -433,7 +225,7 @@ class ProcessHub:
             sock.sendall(ADMITTED)
             with self._lock:
                 self._next_id += 1
-                client = _Client(sock, self._next_id, self._backlog)
+                client = Connection(sock, self._next_id, self._backlog)
             client.wire.send(("bells",), fds=[client.headers_fd, client.requests_bell, client.replies_bell])
         except OSError:
             if client is not None:
@@ -504,14 +296,14 @@ class ProcessHub:
             selector.close()
             with self._lock:  # last: a close() that gave up waiting for this thread leaves the pipe to it
                 pipe, self._wake_w = (self._wake_r, self._wake_w), -1
-                _close_all(pipe)
+                close_all(pipe)
 
     def _wake(self) -> None:
         """Wake the reader (under ``_lock``), unless it has ended."""
         if self._wake_w >= 0:
             os.write(self._wake_w, b"x")
 
-    def _backlog(self, client: _Client) -> None:
+    def _backlog(self, client: Connection) -> None:
         """``client``'s socket took less than was sent: the reader sends the rest when it can."""
         with self._lock:
             if not self._closed:
@@ -528,7 +320,7 @@ class ProcessHub:
             client.send(("broken", reason))
             self._drop(client)
 
-    def _rung(self, client: _Client) -> bool:
+    def _rung(self, client: Connection) -> bool:
         """Take in the requests of every lane ``client`` rang since the last time."""
         try:
             bits = os.eventfd_read(client.requests_bell)
@@ -540,7 +332,7 @@ class ProcessHub:
             self._from_lane(client, low.bit_length() - 1)
         return True
 
-    def _from_lane(self, client: _Client, index: int) -> None:
+    def _from_lane(self, client: Connection, index: int) -> None:
         seq = 0
         try:
             if index >= len(client.lanes):
@@ -563,11 +355,11 @@ class ProcessHub:
             self.arrived["lane"] += 1
         except BaseException as err:  # whatever the lane held, it fails this request only
             if seq:
-                client.send(_done(seq, err))
+                client.send(done_message(seq, err))
             else:
                 _log.error("worker client %d rang lane %d with no request in it: %r", client.ident, index, err)
 
-    def _read(self, client: _Client) -> bool:
+    def _read(self, client: Connection) -> bool:
         """Handle what ``client`` sent; False once it is gone (or sent what is not a message)."""
         try:
             messages = client.wire.read()
@@ -580,7 +372,7 @@ class ProcessHub:
             self._handle(client, message)
         return True
 
-    def _handle(self, client: _Client, message: Any) -> None:
+    def _handle(self, client: Connection, message: Any) -> None:
         try:
             _, seq, interaction, payload = message
         except (TypeError, ValueError):
@@ -594,9 +386,9 @@ class ProcessHub:
             self._queue(client, request)
             self.arrived["socket"] += 1
         except BaseException as err:  # whatever the message did, it fails this request only
-            client.send(_done(seq, err))
+            client.send(done_message(seq, err))
 
-    def _queue(self, client: _Client, request: ProcessRequest) -> None:
+    def _queue(self, client: Connection, request: ProcessRequest) -> None:
         """Count ``request`` in flight until its reply, and put it."""
         with client.send_lock:
             client.in_flight += 1
@@ -607,7 +399,7 @@ class ProcessHub:
                 client.in_flight -= 1
             raise
 
-    def _offer_lane(self, client: _Client, request: Request) -> None:
+    def _offer_lane(self, client: Connection, request: Request) -> None:
         """A request came pickled: give the client a lane for the next ones, if it has fewer than it uses.
 
         Called before ``request`` is queued, so that the lane reaches the
@@ -628,14 +420,14 @@ class ProcessHub:
             return  # as many lanes as requests in flight: it came pickled for a reason of its own
         largest = max((lane.inputs.capacity for lane in lanes), default=0)
         capacity = largest if request.rows <= largest else max(request.rows, 2 * largest)
-        made = _new_slot(specs, capacity)
+        made = new_slot(specs, capacity)
         if made is None:
             return
         slot, fd = made
         lanes.append(Lane(len(lanes), slot))
         client.send(("lane", len(lanes) - 1, *slot.describe()), fds=[fd])
 
-    def _drop(self, client: _Client) -> None:
+    def _drop(self, client: Connection) -> None:
         with client.send_lock:  # a reply being written finishes first; later ones see alive=False
             client.close()
         client.lanes, client.headers = [], None  # the memory goes with the last view
@@ -684,4 +476,4 @@ class ProcessHub:
             client.close()
         self._listener.close()
         if self._wake_w >= 0:  # (else the parent's reader had closed the pipe)
-            _close_all((self._wake_r, self._wake_w))
+            close_all((self._wake_r, self._wake_w))
