@@ -68,3 +68,12 @@ def test_no_private_tensordict_call_and_no_scheduling_change():
         if pattern.search(line)
     ]
     assert found == []
+
+
+def test_every_module_is_named_in_the_design_documents_table_of_parts():
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    parts = design[design.index("## The parts and what each owns") :].split("\n## ")[0]
+    unnamed = [
+        name for name in MODULES if not name.endswith("__init__.py") and f"`{pathlib.Path(name).name}`" not in parts
+    ]
+    assert unnamed == []
