@@ -222,6 +222,20 @@ def test_close_leaves_no_thread_of_the_hub_behind():
     assert [t.name for t in threads if t.is_alive()] == []  # joined by close, not left blocked in accept()
 
 
+def test_a_hub_whose_socket_file_is_gone_still_ends_its_threads_when_closed():
+    # At exit, weakref's finalizers run newest first: the hub folder's (made when the hub started) removes the
+    # socket file before the server's closes the hub. The accept thread was woken by connecting to that file,
+    # so it stayed in accept() and every program that left such a server open took EXIT_WAIT more to exit.
+    policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
+    server = BatchedPolicyServer(policy)
+    pickle.dumps(server.remote_policy())  # starts the hub
+    hub = server._endpoint.lazy_hub.hub
+    hub._finalizer()  # what the interpreter's exit runs first
+    assert not os.path.exists(hub.address)
+    server.close(timeout=10)
+    assert [t.name for t in (hub._accepter, hub._reader) if t.is_alive()] == []
+
+
 def test_the_hub_fires_timeouts_for_the_requests_it_queued():
     # Two clients are known; while one stays away, the other's requests can
     # only run on timeout.

@@ -76,6 +76,7 @@ the server die.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import math
@@ -244,14 +245,6 @@ class ProcessHub:
         if broken is not None:
             client.send(("broken", broken))  # it died while this client was being admitted
         client.close()
-
-    def _knock(self) -> None:
-        """End the accept thread's ``accept()``: closing the listening socket does not (Linux)."""
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as knock:
-                knock.connect(self.address)
-        except OSError:
-            pass
 
     # -- requests -------------------------------------------------------------------------
 
@@ -449,10 +442,13 @@ class ProcessHub:
             self._closed = True
             pending, self._pending = self._pending, []
             self._wake()
-        self._knock()
         # The socket file goes first: a client that finds none knows the server closed, while one refused at
         # a file with nobody listening knows its process died (ProcessClient).
         self._finalizer()
+        # Ends the accept thread's accept(), which closing the listening socket does not (Linux). Not by
+        # connecting to the file: at exit its finalizer may have run before this one.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         last_word = self._last_word()
         for client in pending:  # admitted, not yet read
