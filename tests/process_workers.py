@@ -151,7 +151,7 @@ def join_weight_group_then_hang(port: int, world: int, joined: Any) -> None:
 def host_forking_workers(method: str, results: Any, info: Any, ready: Any) -> None:
     """A server process: a worker waits on it, then another process is started and stays alive.
 
-    Reports the second process's pid on ``info``; the test kills this one, and
+    Reports its hub's address and the second process's pid on ``info``; the test kills this one, and
     the waiting worker must report ``ServerBrokenError`` on ``results`` though
     the other lives on. (Two queues: a queue's writers share one lock, and a
     process killed just after its put may still hold it, so the host never
@@ -170,7 +170,7 @@ def host_forking_workers(method: str, results: Any, info: Any, ready: Any) -> No
     assert entered.wait(120)  # the worker's request is in the forward: the hub holds its socket
     bystander = ctx.Process(target=time.sleep, args=(3600,))
     bystander.start()  # started later: it must not hold the hub's end of the worker's socket
-    info.put(("bystander", bystander.pid))
+    info.put((server._endpoint.lazy_hub.address[0], bystander.pid))
     ready.set()
     while True:
         time.sleep(3600)

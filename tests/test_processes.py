@@ -10,12 +10,14 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import process_workers as pw
@@ -334,11 +336,21 @@ def test_closing_the_server_fails_waiting_workers_promptly():
         late(TensorDict(observation=torch.zeros(8)))  # (no socket: closed, or a copy sent to another host)
 
 
-def test_workers_waiting_on_a_dead_server_process_get_broken_error():
+@pytest.fixture
+def dead_hubs() -> Iterator[list[str]]:
+    """The addresses of hubs whose server process a test kills: their folders, which nobody else removes, go after."""
+    addresses: list[str] = []
+    yield addresses
+    for address in addresses:
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+
+
+def test_workers_waiting_on_a_dead_server_process_get_broken_error(dead_hubs):
     pickled, entered = SPAWN.Queue(), SPAWN.Event()
     host = SPAWN.Process(target=pw.serve_then_hang, args=(pickled, entered))
     host.start()
     remote = pickle.loads(report(pickled, [host]))
+    dead_hubs.append(remote._endpoint.address)
     outcome: list = []
 
     def call() -> None:
@@ -359,11 +371,12 @@ def test_workers_waiting_on_a_dead_server_process_get_broken_error():
 
 
 @pytest.mark.parametrize("rows", [1, 3], ids=["lane", "pickled"])
-def test_a_worker_idle_when_its_server_process_died_gets_broken_error_on_its_next_call(rows):
+def test_a_worker_idle_when_its_server_process_died_gets_broken_error_on_its_next_call(rows, dead_hubs):
     pickled = SPAWN.Queue()
     host = SPAWN.Process(target=pw.serve_then_hang, args=(pickled,))
     host.start()
     remote = pickle.loads(report(pickled, [host]))
+    dead_hubs.append(remote._endpoint.address)
     remote(TensorDict(observation=torch.ones(8)))  # connected, with a lane of one row
     pw.kill(host.pid)
     host.join(10)
@@ -1395,14 +1408,15 @@ def test_a_client_with_the_wrong_key_is_refused_and_the_hub_keeps_accepting():
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-def test_a_worker_of_a_server_process_that_dies_gets_broken_error_while_a_later_child_lives(method):
+def test_a_worker_of_a_server_process_that_dies_gets_broken_error_while_a_later_child_lives(method, dead_hubs):
     # A process the server starts after a worker connected must not hold the hub's end
     # of that worker's socket, or the worker would never see the server die.
     results, info, ready = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Event()
     host = SPAWN.Process(target=pw.host_forking_workers, args=(method, results, info, ready))
     host.start()
     assert ready.wait(120), "the host never had its worker waiting"
-    _, bystander = report(info, [host])
+    address, bystander = report(info, [host])
+    dead_hubs.append(address)
     try:
         pw.kill(host.pid)
         kind, message = report(results, [], timeout=90)
