@@ -8,11 +8,14 @@ saying so, outside one. One cluster serves the whole module.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 import pytest
@@ -290,8 +293,13 @@ def spread(remote, n: int) -> list:
     return [Actor.options(resources=(NODE_A, NODE_B)[i % 2]).remote(remote, i) for i in range(n)]
 
 
+def _hub_folders() -> set[str]:
+    return {f for d in {tempfile.gettempdir(), "/tmp"} for f in glob.glob(os.path.join(d, "torchrl_batchserve-*"))}
+
+
 @pytest.fixture(scope="module")
 def cluster():
+    before = _hub_folders()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"server": 1}})
     cluster.add_node(num_cpus=1, resources={"node_a": 100})
     cluster.add_node(num_cpus=1, resources={"node_b": 100})
@@ -300,6 +308,16 @@ def cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+    # The server actors and gateways that the tests kill, or that Ray ends, exit as killed and leave their
+    # hub's folder (a socket file nobody listens to tells their workers they died): remove those.
+    for folder in _hub_folders() - before:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(os.path.join(folder, "hub.sock"))
+            except ConnectionRefusedError:
+                shutil.rmtree(folder, ignore_errors=True)
+            except OSError:
+                pass
 
 
 def _listening() -> list[str]:
