@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import signal
@@ -72,6 +73,24 @@ class Blocking(nn.Module):
         self.entered.set()
         threading.Event().wait()
         return observation
+
+
+def cancel_then_return(remote: Any, mode: str, results: Any) -> None:
+    """A first call (its client gets a lane), then an ``acall`` or a ``submit`` cancelled by its caller; returns."""
+    remote(TensorDict(observation=torch.zeros(8)))
+    held = TensorDict(observation=torch.ones(8))
+    if mode == "submit":
+        assert remote.submit(held).cancel()
+    else:
+
+        async def cancelled() -> None:
+            task = asyncio.ensure_future(remote.acall(held))
+            await asyncio.sleep(0)  # the task runs up to its wait: its request is in its lane
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        asyncio.run(cancelled())
+    results.put("cancelled")
 
 
 def serve_then_hang(pickled: Any, entered: Any = None) -> None:

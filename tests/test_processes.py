@@ -238,6 +238,40 @@ def test_a_hub_whose_socket_file_is_gone_still_ends_its_threads_when_closed():
     assert [t.name for t in (hub._accepter, hub._reader) if t.is_alive()] == []
 
 
+class HeldUnlessZero(nn.Module):
+    """Holds each forward of a nonzero observation (setting ``entered``) until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = pw.make_net()
+        self.entered, self.release = threading.Event(), threading.Event()  # shared by the served copy
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        if observation.any():
+            self.entered.set()
+            assert self.release.wait(60), "the test never released the forward"
+        return self.net(observation)
+
+
+@pytest.mark.parametrize("mode", ["acall", "submit"])
+def test_a_worker_exits_while_the_server_still_holds_a_request_it_cancelled(mode):
+    # A thread of the client's pool read for the cancelled request until its reply came, and a pool's
+    # threads are joined at exit: the worker could not exit while the server held the forward.
+    module = HeldUnlessZero()
+    with BatchedPolicyServer(TensorDictModule(module, in_keys=["observation"], out_keys=["logits"])) as server:
+        results = SPAWN.Queue()
+        worker = SPAWN.Process(target=pw.cancel_then_return, args=(server.remote_policy(), mode, results))
+        worker.start()
+        try:
+            assert report(results, [worker]) == "cancelled"
+            assert module.entered.wait(30)  # the cancelled request is in the forward the server holds
+            worker.join(30)
+            assert (worker.is_alive(), worker.exitcode) == (False, 0)
+        finally:
+            module.release.set()
+            worker.join(30)
+
+
 def test_the_hub_fires_timeouts_for_the_requests_it_queued():
     # Two clients are known; while one stays away, the other's requests can
     # only run on timeout.

@@ -13,7 +13,9 @@ One waiter at a time is the *reader*: it polls for everyone and hands each
 reply to the caller of its ``seq``. A blocking caller reads while it waits;
 an asyncio task (its event loop must not block) and a ``submit`` (it returns
 at once) never do: they write their request into a lane, and while only they
-wait, one thread of the client's pool reads for them. Their futures are
+wait, one thread of the client's pool reads for them, until none is left
+that its caller did not cancel (so it never holds up the process's exit for
+a reply nobody waits for). Their futures are
 settled away from the reader, one call per pass: a task's in its event loop
 (``call_soon_threadsafe``), a submit's in another pool thread, where its
 callbacks may call the client again.
@@ -46,6 +48,8 @@ from torchrl_batchserve.transport.slots import MAX_BATCH_DIMS, Headers, Lane, Sl
 from torchrl_batchserve.transport.wire import Wire, dumps
 
 __all__ = ["ProcessClient"]
+
+CANCEL_CHECK = 1.0  # seconds after which a pool thread that reads for tasks and submits sees they were cancelled
 
 _CLIENTS: weakref.WeakSet[ProcessClient] = weakref.WeakSet()
 
@@ -265,23 +269,36 @@ class ProcessClient:
                 return self._replies.pop(seq)
             raise own_copy(self._failure)  # type: ignore[arg-type]
 
+    def _awaited(self) -> bool:
+        """Whether a task or a submit still waits for its reply (the caller holds the lock).
+
+        Not one whose caller cancelled it meanwhile: a pool thread reading for it would keep the process
+        from exiting (its pool's threads are joined at exit) for as long as the server takes to answer.
+        """
+        return any(waiter is not None and not waiter[1].done() for *_, waiter in self._waiting.values())
+
     def _start_reader(self, conn: Wire) -> None:
         """Read for the callers that do not block, from a pool thread (the caller holds the lock; nobody reads)."""
         self._reading = True
-        self._pool().submit(self._read, conn, lambda: not self._waiting)
+        self._pool().submit(self._read, conn, lambda: not self._awaited(), CANCEL_CHECK)
 
-    def _read(self, conn: Wire, done: Callable[[], bool]) -> None:
-        """Be the reader until ``done()`` or the server is gone, then hand the role on."""
+    def _read(self, conn: Wire, done: Callable[[], bool], check_every: float | None = None) -> None:
+        """Be the reader until ``done()`` or the server is gone, then hand the role on.
+
+        ``check_every``: the seconds after which ``done()`` is asked again without a reply (a watchdog for
+        cancellations, which wake nobody); ``None``: only when a reply or a message comes.
+        """
         bell = self._bells[1]  # type: ignore[index]
         ready = select.poll()
         ready.register(conn.fileno(), select.POLLIN)
         ready.register(bell, select.POLLIN)
+        timeout = None if check_every is None else check_every * 1000
         try:
             while True:
                 with self._cond:
                     if done() or self._failure is not None:
                         return
-                events = ready.poll()
+                events = ready.poll(timeout)
                 try:
                     messages = conn.read() if any(fd != bell for fd, _ in events) else []
                 except (EOFError, OSError) as err:
@@ -309,7 +326,7 @@ class ProcessClient:
             with self._cond:
                 self._reading = False
                 left = self._waiting.values()
-                if left and self._failure is None and all(waiter is not None for _, _, _, waiter in left):
+                if self._failure is None and self._awaited() and all(waiter is not None for *_, waiter in left):
                     self._start_reader(conn)  # only tasks and futures wait: they cannot read
                 settled, self._settled = self._settled, []
                 self._cond.notify_all()  # a waiting thread takes over the reading
