@@ -75,17 +75,23 @@ class Blocking(nn.Module):
         return observation
 
 
-def cancel_then_return(remote: Any, mode: str, results: Any) -> None:
-    """A first call (its client gets a lane), then an ``acall`` or a ``submit`` cancelled by its caller; returns."""
-    remote(TensorDict(observation=torch.zeros(8)))
-    held = TensorDict(observation=torch.ones(8))
+def cancel_when_held(remote: Any, mode: str, first_call: bool, held: Any, results: Any) -> None:
+    """An ``acall`` or a ``submit``, cancelled by its caller once the server holds it (``held`` is set); returns.
+
+    ``first_call``: a call before it, so that its client has a lane for it; else it travels pickled.
+    """
+    if first_call:
+        remote(TensorDict(observation=torch.zeros(8)))
+    td = TensorDict(observation=torch.ones(8))
     if mode == "submit":
-        assert remote.submit(held).cancel()
+        future = remote.submit(td)
+        assert held.wait(30)
+        assert future.cancel()
     else:
 
         async def cancelled() -> None:
-            task = asyncio.ensure_future(remote.acall(held))
-            await asyncio.sleep(0)  # the task runs up to its wait: its request is in its lane
+            task = asyncio.ensure_future(remote.acall(td))
+            assert await asyncio.to_thread(held.wait, 30)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 

@@ -253,18 +253,22 @@ class HeldUnlessZero(nn.Module):
         return self.net(observation)
 
 
+@pytest.mark.parametrize("first_call", [True, False], ids=["lane", "pickled"])
 @pytest.mark.parametrize("mode", ["acall", "submit"])
-def test_a_worker_exits_while_the_server_still_holds_a_request_it_cancelled(mode):
-    # A thread of the client's pool read for the cancelled request until its reply came, and a pool's
-    # threads are joined at exit: the worker could not exit while the server held the forward.
+def test_a_worker_exits_while_the_server_still_holds_a_request_it_cancelled(mode, first_call):
+    # A thread of the client's pool waited for the cancelled request until its reply came, and a pool's
+    # threads are joined at exit: the worker could not exit while the server held the forward. (Pickled,
+    # a submit's Future could not even be cancelled: it was the pool's, running.)
     module = HeldUnlessZero()
     with BatchedPolicyServer(TensorDictModule(module, in_keys=["observation"], out_keys=["logits"])) as server:
-        results = SPAWN.Queue()
-        worker = SPAWN.Process(target=pw.cancel_then_return, args=(server.remote_policy(), mode, results))
+        results, held = SPAWN.Queue(), SPAWN.Event()
+        args = (server.remote_policy(), mode, first_call, held, results)
+        worker = SPAWN.Process(target=pw.cancel_when_held, args=args)
         worker.start()
         try:
+            assert module.entered.wait(30)  # the request is in the forward the server holds
+            held.set()
             assert report(results, [worker]) == "cancelled"
-            assert module.entered.wait(30)  # the cancelled request is in the forward the server holds
             worker.join(30)
             assert (worker.is_alive(), worker.exitcode) == (False, 0)
         finally:

@@ -162,12 +162,7 @@ class ProcessClient:
 
     def call(self, td: TensorDictBase, interaction: Any = CURRENT) -> TensorDictBase:
         """Serve ``td`` and block until its outputs are written into it (``interaction``: default, the current)."""
-        write_outputs(td, *self._outputs(td, _mode(interaction)))
-        return td
-
-    def _outputs(self, td: TensorDictBase, mode: Any) -> tuple[Any, Any]:
-        """Send ``td``'s request and block until its reply: the ``(keys, values)`` of its outputs."""
-        conn, seq = self._send(td, mode)  # type: ignore[misc]
+        conn, seq = self._send(td, _mode(interaction))  # type: ignore[misc]
         try:
             error, keys, values = self._wait(conn, seq)
         finally:
@@ -176,45 +171,38 @@ class ProcessClient:
                 self._replies.pop(seq, None)
         if error is not None:
             raise error
-        return keys, values
+        write_outputs(td, keys, values)
+        return td
 
     async def acall(self, td: TensorDictBase) -> TensorDictBase:
         """``await``-able :meth:`call`; the event loop never waits on the server.
 
-        A request that fits a free lane is written from the loop, and its
-        reply comes back to the loop. Any other (the first, one that travels
-        pickled) is sent and awaited from a thread of the client's pool.
+        A request that fits a free lane is written from the loop; any other
+        (the first, one that travels pickled) is sent from a thread of the
+        client's pool. Either way its reply comes back to the loop.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[TensorDictBase] = loop.create_future()
-        mode = GATE.callers_mode()  # now: another task may change it while this one waits for the pool
-        sent = self._send(td, mode, (loop, future, td))
-        if sent is None:  # written here, not in the pool: a task cancelled meanwhile may have reused ``td``
-            write_outputs(td, *await asyncio.wrap_future(self._pool().submit(self._outputs, td, mode)))
-            return td
-        try:
-            return await future
-        finally:
-            with self._cond:
-                self._waiting.pop(sent[1], None)  # (cancelled: its reply is dropped when it comes)
+        self._send_soon(td, GATE.callers_mode(), (loop, future, td))
+        return await future  # (cancelled: so is ``future``, and its reply is dropped when it comes)
 
-    def _send(self, td: TensorDictBase, mode: Any, task: Any = None) -> tuple[Wire, int] | None:
+    def _send(self, td: TensorDictBase, mode: Any, task: Any = None, may_block: bool = True) -> tuple[Wire, int] | None:
         """Send ``td``'s request, to run under the interaction type ``mode``, and register its waiter.
 
         Returns ``(connection, seq)``. ``task``: the waiter of a caller that does not block (an asyncio
-        task, a ``submit``), which sends only through a free lane of a
-        connected client (``None`` otherwise: the caller waits in :meth:`_wait`).
+        task, a ``submit``; ``None``: the caller waits in :meth:`_wait`). Unless ``may_block``, only a
+        free lane of a connected client takes the request, and ``None`` is returned otherwise.
         """
         inputs = request_entries(td, self.in_keys)  # a bad request is refused here, with the hub's words
         batch_shape = tuple(td.batch_size)
         rows = td.batch_size.numel()
         with self._cond:
-            if task is not None and self._conn is None and not self._closed:
-                return None  # connecting may block: the pool does it
+            if not may_block and self._conn is None and not self._closed:
+                return None  # connecting may block
             conn = self._connection()  # closed: ServerClosedError at once
             lane = self._free_lane(inputs, rows, batch_shape)
-            if task is not None and lane is None:
-                return None
+            if not may_block and lane is None:
+                return None  # sending pickled may block
             self._seq += 1
             seq = self._seq
             try:
@@ -235,6 +223,24 @@ class ProcessClient:
             if task is not None and not self._reading:
                 self._start_reader(conn)
         return conn, seq
+
+    def _send_soon(self, td: TensorDictBase, mode: Any, waiter: Any) -> None:
+        """Send the request of a caller that does not block: now through a free lane, else from the pool.
+
+        In the pool it is not sent if its caller cancelled it meanwhile, and a failure settles its future.
+        """
+        if self._send(td, mode, waiter, may_block=False) is not None:
+            return
+
+        def send() -> None:
+            if waiter[1].done():
+                return
+            try:
+                self._send(td, mode, waiter)
+            except BaseException as err:  # (its caller waits for its future, not for this job)
+                self._settle([(waiter, (err, None, None))])
+
+        self._pool().submit(send)
 
     def _free_lane(self, inputs: list[Any], rows: int, batch_shape: tuple[int, ...]) -> Lane | None:
         """The smallest free lane that ``inputs`` fit (the caller holds the lock).
@@ -272,10 +278,14 @@ class ProcessClient:
     def _awaited(self) -> bool:
         """Whether a task or a submit still waits for its reply (the caller holds the lock).
 
-        Not one whose caller cancelled it meanwhile: a pool thread reading for it would keep the process
-        from exiting (its pool's threads are joined at exit) for as long as the server takes to answer.
+        Those whose caller cancelled it are forgotten (their replies are dropped when they come): a pool
+        thread reading for them would keep the process from exiting (its pool's threads are joined at
+        exit) for as long as the server takes to answer.
         """
-        return any(waiter is not None and not waiter[1].done() for *_, waiter in self._waiting.values())
+        for seq, (*_, waiter) in list(self._waiting.items()):
+            if waiter is not None and waiter[1].done():
+                del self._waiting[seq]
+        return any(waiter is not None for *_, waiter in self._waiting.values())
 
     def _start_reader(self, conn: Wire) -> None:
         """Read for the callers that do not block, from a pool thread (the caller holds the lock; nobody reads)."""
@@ -432,14 +442,12 @@ class ProcessClient:
     def submit(self, td: TensorDictBase, interaction: Any = CURRENT) -> Future[TensorDictBase]:
         """Send ``td``; the Future resolves to it with its outputs written.
 
-        Through a free lane it is sent at once and settled by the client's
-        reader; any other request is sent and waited for from a pool thread,
-        under the interaction type in effect now (or ``interaction``).
+        Sent at once through a free lane, or else from a pool thread, under the
+        interaction type in effect now (or ``interaction``); the client's
+        reader settles the Future. Cancelled before its reply, the reply is dropped.
         """
         future: Future[TensorDictBase] = Future()
-        mode = _mode(interaction)
-        if self._send(td, mode, (None, future, td)) is None:
-            return self._pool().submit(self.call, td, mode)
+        self._send_soon(td, _mode(interaction), (None, future, td))
         return future
 
     def _forget(self) -> None:
