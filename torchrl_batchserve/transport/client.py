@@ -12,10 +12,10 @@ is dropped.
 One waiter at a time is the *reader*: it polls for everyone and hands each
 reply to the caller of its ``seq``. A blocking caller reads while it waits;
 an asyncio task (its event loop must not block) and a ``submit`` (it returns
-at once) never do: they write their request into a lane, and while only they
-wait, one thread of the client's pool reads for them, until none is left
-that its caller did not cancel (so it never holds up the process's exit for
-a reply nobody waits for). Their futures are
+at once) never do: they write their request into a free lane (else a thread
+of the client's pool sends it), and while only they wait, one thread of the
+pool reads for them, until none is left that its caller did not cancel (so
+it never holds up the process's exit for a reply nobody waits for). Their futures are
 settled away from the reader, one call per pass: a task's in its event loop
 (``call_soon_threadsafe``), a submit's in another pool thread, where its
 callbacks may call the client again.
