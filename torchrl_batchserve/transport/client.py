@@ -13,9 +13,10 @@ One waiter at a time is the *reader*: it polls for everyone and hands each
 reply to the caller of its ``seq``. A blocking caller reads while it waits;
 an asyncio task (its event loop must not block) and a ``submit`` (it returns
 at once) never do: they write their request into a free lane (else a thread
-of the client's pool sends it), and while only they wait, one thread of the
-pool reads for them, until none is left that its caller did not cancel (so
-it never holds up the process's exit for a reply nobody waits for). Their futures are
+of the client's pool sends it and waits for it), and while only they wait,
+one thread of the pool reads for them, until none is left that its caller
+did not cancel (so no thread holds up the process's exit for a reply nobody
+waits for). Their futures are
 settled away from the reader, one call per pass: a task's in its event loop
 (``call_soon_threadsafe``), a submit's in another pool thread, where its
 callbacks may call the client again.
@@ -33,7 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 from tensordict import TensorDictBase
@@ -162,24 +163,31 @@ class ProcessClient:
 
     def call(self, td: TensorDictBase, interaction: Any = CURRENT) -> TensorDictBase:
         """Serve ``td`` and block until its outputs are written into it (``interaction``: default, the current)."""
-        conn, seq = self._send(td, _mode(interaction))  # type: ignore[misc]
+        write_outputs(td, *self._outputs(td, _mode(interaction)))
+        return td
+
+    def _outputs(self, td: TensorDictBase, mode: Any, abandoned: Callable[[], bool] | None = None) -> tuple[Any, Any]:
+        """Send ``td``'s request and block until its reply: the ``(keys, values)`` of its outputs.
+
+        ``abandoned``: whether its caller gave up on it (then ``CancelledError``, within ``CANCEL_CHECK``).
+        """
+        conn, seq = self._send(td, mode)  # type: ignore[misc]
         try:
-            error, keys, values = self._wait(conn, seq)
+            error, keys, values = self._wait(conn, seq, abandoned)
         finally:
             with self._cond:  # (interrupted: its reply is dropped when it comes)
                 self._waiting.pop(seq, None)
                 self._replies.pop(seq, None)
         if error is not None:
             raise error
-        write_outputs(td, keys, values)
-        return td
+        return keys, values
 
     async def acall(self, td: TensorDictBase) -> TensorDictBase:
         """``await``-able :meth:`call`; the event loop never waits on the server.
 
         A request that fits a free lane is written from the loop; any other
-        (the first, one that travels pickled) is sent from a thread of the
-        client's pool. Either way its reply comes back to the loop.
+        (the first, one that travels pickled) is sent and waited for by a
+        thread of the client's pool. Either way its reply comes back to the loop.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[TensorDictBase] = loop.create_future()
@@ -227,20 +235,25 @@ class ProcessClient:
     def _send_soon(self, td: TensorDictBase, mode: Any, waiter: Any) -> None:
         """Send the request of a caller that does not block: now through a free lane, else from the pool.
 
-        In the pool it is not sent if its caller cancelled it meanwhile, and a failure settles its future.
+        A pool thread sends it and waits for its reply as a blocking caller would, unless or until its
+        caller cancels it. (So a task whose request travels pickled, which costs the server more, is back
+        later than one in a lane: lanes, once free, mostly go to requests that fit them.)
         """
         if self._send(td, mode, waiter, may_block=False) is not None:
             return
 
-        def send() -> None:
-            if waiter[1].done():
-                return
+        def serve() -> None:
+            future = waiter[1]
+            if future.done():
+                return  # cancelled before it was sent
+            reply: tuple[Any, Any, Any]
             try:
-                self._send(td, mode, waiter)
+                reply = (None, *self._outputs(td, mode, future.done))
             except BaseException as err:  # (its caller waits for its future, not for this job)
-                self._settle([(waiter, (err, None, None))])
+                reply = (err, None, None)
+            self._settle([(waiter, reply)])  # (cancelled meanwhile: dropped there)
 
-        self._pool().submit(send)
+        self._pool().submit(serve)
 
     def _free_lane(self, inputs: list[Any], rows: int, batch_shape: tuple[int, ...]) -> Lane | None:
         """The smallest free lane that ``inputs`` fit (the caller holds the lock).
@@ -257,35 +270,38 @@ class ProcessClient:
                     best = lane
         return best
 
-    def _wait(self, conn: Wire, seq: int) -> tuple[Any, Any, Any]:
-        """The reply to ``seq``: read here, or handed over by whoever reads."""
+    def _wait(self, conn: Wire, seq: int, abandoned: Callable[[], bool] | None = None) -> tuple[Any, Any, Any]:
+        """The reply to ``seq``: read here, or handed over by whoever reads (``abandoned``: see ``_outputs``)."""
+        check = None if abandoned is None else CANCEL_CHECK
+        given_up = abandoned or (lambda: False)
         with self._cond:
             while True:
                 if seq in self._replies:
                     return self._replies.pop(seq)
                 if self._failure is not None:
                     raise own_copy(self._failure)
+                if given_up():
+                    raise CancelledError
                 if not self._reading:
                     self._reading = True
                     break
-                self._cond.wait()
-        self._read(conn, lambda: seq in self._replies)
+                self._cond.wait(check)
+        self._read(conn, lambda: seq in self._replies or given_up(), check)
         with self._cond:
             if seq in self._replies:
                 return self._replies.pop(seq)
-            raise own_copy(self._failure)  # type: ignore[arg-type]
+            if self._failure is None:
+                raise CancelledError
+            raise own_copy(self._failure)
 
     def _awaited(self) -> bool:
         """Whether a task or a submit still waits for its reply (the caller holds the lock).
 
-        Those whose caller cancelled it are forgotten (their replies are dropped when they come): a pool
-        thread reading for them would keep the process from exiting (its pool's threads are joined at
-        exit) for as long as the server takes to answer.
+        Not one whose caller cancelled it meanwhile (its reply is dropped when it comes): a pool thread
+        reading for it would keep the process from exiting (its pool's threads are joined at exit) for
+        as long as the server takes to answer.
         """
-        for seq, (*_, waiter) in list(self._waiting.items()):
-            if waiter is not None and waiter[1].done():
-                del self._waiting[seq]
-        return any(waiter is not None for *_, waiter in self._waiting.values())
+        return any(waiter is not None and not waiter[1].done() for *_, waiter in self._waiting.values())
 
     def _start_reader(self, conn: Wire) -> None:
         """Read for the callers that do not block, from a pool thread (the caller holds the lock; nobody reads)."""
@@ -442,9 +458,9 @@ class ProcessClient:
     def submit(self, td: TensorDictBase, interaction: Any = CURRENT) -> Future[TensorDictBase]:
         """Send ``td``; the Future resolves to it with its outputs written.
 
-        Sent at once through a free lane, or else from a pool thread, under the
-        interaction type in effect now (or ``interaction``); the client's
-        reader settles the Future. Cancelled before its reply, the reply is dropped.
+        Sent at once through a free lane (its reply settles the Future), or
+        else from a pool thread, which waits for its reply; under the
+        interaction type in effect now (or ``interaction``). Cancelled, its reply is dropped.
         """
         future: Future[TensorDictBase] = Future()
         self._send_soon(td, _mode(interaction), (None, future, td))
