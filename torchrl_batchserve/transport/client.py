@@ -194,22 +194,22 @@ class ProcessClient:
         self._send_soon(td, GATE.callers_mode(), (loop, future, td))
         return await future  # (cancelled: so is ``future``, and its reply is dropped when it comes)
 
-    def _send(self, td: TensorDictBase, mode: Any, task: Any = None, may_block: bool = True) -> tuple[Wire, int] | None:
+    def _send(self, td: TensorDictBase, mode: Any, task: Any = None) -> tuple[Wire, int] | None:
         """Send ``td``'s request, to run under the interaction type ``mode``, and register its waiter.
 
         Returns ``(connection, seq)``. ``task``: the waiter of a caller that does not block (an asyncio
-        task, a ``submit``; ``None``: the caller waits in :meth:`_wait`). Unless ``may_block``, only a
-        free lane of a connected client takes the request, and ``None`` is returned otherwise.
+        task, a ``submit``), which sends only through a free lane of a
+        connected client (``None`` otherwise: the caller waits in :meth:`_wait`).
         """
         inputs = request_entries(td, self.in_keys)  # a bad request is refused here, with the hub's words
         batch_shape = tuple(td.batch_size)
         rows = td.batch_size.numel()
         with self._cond:
-            if not may_block and self._conn is None and not self._closed:
+            if task is not None and self._conn is None and not self._closed:
                 return None  # connecting may block
             conn = self._connection()  # closed: ServerClosedError at once
             lane = self._free_lane(inputs, rows, batch_shape)
-            if not may_block and lane is None:
+            if task is not None and lane is None:
                 return None  # sending pickled may block
             self._seq += 1
             seq = self._seq
@@ -239,7 +239,7 @@ class ProcessClient:
         caller cancels it. (So a task whose request travels pickled, which costs the server more, is back
         later than one in a lane: lanes, once free, mostly go to requests that fit them.)
         """
-        if self._send(td, mode, waiter, may_block=False) is not None:
+        if self._send(td, mode, waiter) is not None:
             return
 
         def serve() -> None:
