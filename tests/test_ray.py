@@ -30,6 +30,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from torchrl_batchserve import EvaluationCache, LengthCost, PackCollate, PadCollate  # noqa: E402
 from torchrl_batchserve.errors import ServerBrokenError, ServerClosedError, WeightSyncError  # noqa: E402
 from torchrl_batchserve.ray import RayServer, push_weights, serve_on_ray  # noqa: E402
+from torchrl_batchserve.transport.client import _died  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(
@@ -311,13 +312,8 @@ def cluster():
     # The server actors and gateways that the tests kill, or that Ray ends, exit as killed and leave their
     # hub's folder (a socket file nobody listens to tells their workers they died): remove those.
     for folder in _hub_folders() - before:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(os.path.join(folder, "hub.sock"))
-            except ConnectionRefusedError:
-                shutil.rmtree(folder, ignore_errors=True)
-            except OSError:
-                pass
+        if _died(os.path.join(folder, "hub.sock")):  # (as a worker tells)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _listening() -> list[str]:
