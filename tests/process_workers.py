@@ -45,7 +45,21 @@ def call_until_told(remote: Any, started: Any, results: Any) -> None:
 
 
 def interaction_of_requests(remote: Any, results: Any) -> None:
-    out = []
+    """The types requests ran under: submits (the first sent from the client's pool), tasks, then calls.
+
+    Each caller's block ends before its replies are read: a request carries the type it was made under.
+    """
+    with set_interaction_type(InteractionType.RANDOM):
+        futures = [remote.submit(TensorDict(observation=torch.ones(8))) for _ in range(4)]
+    out = [int(f.result(30)["mode"]) for f in futures]
+
+    async def tasks() -> list:
+        with set_interaction_type(InteractionType.DETERMINISTIC):
+            calls = [asyncio.ensure_future(remote.acall(TensorDict(observation=torch.ones(8)))) for _ in range(4)]
+            await asyncio.sleep(0)  # each task made its request under DETERMINISTIC
+        return [int(td["mode"]) for td in await asyncio.gather(*calls)]
+
+    out += asyncio.run(tasks())
     for mode in (InteractionType.DETERMINISTIC, InteractionType.RANDOM):
         with set_interaction_type(mode):
             out.append(int(remote(TensorDict(observation=torch.ones(8)))["mode"]))

@@ -1199,7 +1199,8 @@ def test_a_batch_leaves_the_process_wide_interaction_type_as_the_callers_left_it
         assert interaction_type() is None
         with set_interaction_type(InteractionType.DETERMINISTIC):
             deterministic = remote.submit(obs())
-        deterministic.result(10)  # the batch set DETERMINISTIC where it found None, then put None back
+        deterministic.result(10)  # the batch found DETERMINISTIC (and ran under None once the block ended) or None
+        # (then set DETERMINISTIC and put None back): either way, None is what the caller left
         assert interaction_type() is None
     assert seen["logits"].shape == (3,)
 
