@@ -1319,6 +1319,7 @@ def test_a_request_whose_event_loop_closed_while_it_waited_is_dropped_and_breaks
         held = server.submit(obs())
         assert gated.entered.wait(10)  # the requests below queue behind the held batch
         loop = asyncio.new_event_loop()
+        loop.set_exception_handler(lambda *_: None)  # (asyncio's "Task was destroyed but it is pending!": meant)
         orphan = loop.create_task(remote.acall(obs()))
         loop.run_until_complete(asyncio.sleep(0))  # the task ran up to its await: its request is queued
         loop.close()  # and its loop is gone, the task still pending: nobody is left to settle its future
