@@ -1205,6 +1205,35 @@ def test_a_batch_leaves_the_process_wide_interaction_type_as_the_callers_left_it
     assert seen["logits"].shape == (3,)
 
 
+def test_forwards_that_end_under_a_type_a_thread_changed_meanwhile_say_so_once_per_process(net, monkeypatch, caplog):
+    # A caller's block that ends while its submit's forward runs hands that forward the type it puts back
+    # (tensordict keeps one per process): what no server can undo, it can at least say.
+    from torchrl_batchserve.gate import GATE
+
+    monkeypatch.setattr(GATE, "_warned", False)
+    caplog.set_level(logging.WARNING, logger="torchrl_batchserve.gate")
+    gated = GatedPolicy(net, block_first=3)
+    gated.gate.set()
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "interaction type changed" in r.getMessage()]
+
+    with BatchedPolicyServer(gated, policy_version_key=None) as server:
+        remote = server.remote_policy()
+        with set_interaction_type(InteractionType.RANDOM):
+            remote(obs())  # a blocking call is done before its block ends
+        assert said() == []
+        for mode in (InteractionType.RANDOM, InteractionType.MODE):
+            gated.gate.clear()
+            gated.entered.clear()
+            with set_interaction_type(mode):
+                future = remote.submit(obs())
+                assert gated.entered.wait(10)  # its forward runs under the caller's type
+            gated.gate.set()  # the block has ended: the forward goes on under None
+            future.result(10)
+    assert len(said()) == 1 and "from random to None" in said()[0], said()  # the second time: not again
+
+
 def test_statistics_is_a_frozen_snapshot(policy):
     with BatchedPolicyServer(policy) as server:
         remote = server.remote_policy()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ if TYPE_CHECKING:  # a forward's owner; its ``broken`` is all the gate reads
     from torchrl_batchserve.serve import Serving
 
 __all__ = ["GATE", "InteractionGate"]
+
+_log = logging.getLogger(__name__)
 
 
 class _Forwards(threading.local):
@@ -37,6 +40,11 @@ class InteractionGate:
     forward's. A request that a forward makes itself (a policy that calls a
     server of this process) runs under that forward's type and joins its run
     (:meth:`inside`): waiting for the run to end would wait for itself.
+
+    What the gate cannot stop is another thread setting or resetting the type
+    while a run is on (a caller's block that ends while its ``submit`` runs):
+    the run's forwards may then read that thread's type. A run that ends
+    under another type than its own says so, once per process, in a warning.
     """
 
     def __init__(self) -> None:
@@ -49,6 +57,7 @@ class InteractionGate:
         self._waiting = 0
         self._setting: set_interaction_type | None = None
         self._found: Any = None  # the type a run's setting replaced
+        self._warned = False  # that a thread changed the type while a run was on
         self._forwards = _Forwards()
 
     @contextlib.contextmanager
@@ -92,7 +101,18 @@ class InteractionGate:
     def _end_run(self) -> None:
         if self._running:
             return
-        if self._setting is not None and interaction_type() == self._mode:
+        now = interaction_type()
+        if now != self._mode and not self._warned:
+            self._warned = True
+            _log.warning(
+                "the interaction type changed from %s to %s while forwards ran under the first: a thread of "
+                "this process set or reset it (tensordict keeps one type per process), and they may have run "
+                "under the second. Give such callers their type with server.submit(td, interaction=...), or "
+                "call from worker processes (docs/guide.md, 'Interaction types'). Said once per process.",
+                self._mode,
+                now,
+            )
+        if self._setting is not None and now == self._mode:
             self._setting.__exit__(None, None, None)
         self._setting = None
         self._cond.notify_all()
