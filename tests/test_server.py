@@ -806,6 +806,7 @@ def test_queue_full_is_refused_at_once_and_counted_as_rejected():
         ({"device": "nonsense"}, r"device must be a torch.device or a device string \(got 'nonsense'\)"),
         ({"device": []}, r"device must name at least one device \(got an empty sequence\)"),
         ({"device": ["cpu", "nonsense"]}, r"device\[1\] must be a torch.device or a device string"),
+        ({"device": ["cpu", None]}, r"device: a sequence names a device for each replica; None is none \(got \["),
         ({"device": ["cpu", "meta"]}, r"device\[1\]='meta': the meta device holds no values to serve"),
         ({"output_device": "meta"}, r"output_device='meta': the meta device holds no values to serve"),
         ({"cost_fn": 3, "max_batch_cost": 4}, r"cost_fn must be callable as cost_fn\(td\) -> int \(got 3\)"),

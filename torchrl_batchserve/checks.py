@@ -74,5 +74,7 @@ def check_devices(value: Any) -> list[torch.device | None]:
     if isinstance(value, Sequence) and not isinstance(value, str):
         if not value:
             raise ValueError("device must name at least one device (got an empty sequence)")
+        if any(d is None for d in value):  # a typo (a YAML null) rather than a replica's device
+            raise ValueError(f"device: a sequence names a device for each replica; None is none (got {value!r})")
         return [check_device(f"device[{i}]", d) for i, d in enumerate(value)]
     return [check_device("device", value)]
