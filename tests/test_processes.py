@@ -148,6 +148,31 @@ def test_a_connected_client_inherited_by_fork_connects_anew_in_the_child():
         torch.testing.assert_close(mine["logits"], net(torch.ones(8)))
 
 
+def test_a_fork_while_the_hub_sends_a_descriptor_gives_the_child_none_to_close_twice(monkeypatch):
+    # The hub closes a descriptor once it went with its message. A fork at that moment (a worker started while
+    # the server serves others) gave the child the message still listing it: the child's fork hook closed that
+    # number again (EBADF, or another file's by then), stopped there and kept the hub's other descriptors open.
+    policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])
+    parent, children = os.getpid(), []
+    real_close_all = connection_module.close_all
+
+    def close_all(fds):
+        real_close_all(fds)
+        if fds and os.getpid() == parent and not children:
+            pid = os.fork()  # just after: the fork hooks run in the child, on the outbox as the hub left it
+            if pid == 0:
+                os._exit(0 if hub._listener.fileno() == -1 else 1)  # the hook closed all of the hub's
+            children.append(pid)
+
+    monkeypatch.setattr(connection_module, "close_all", close_all)
+    with BatchedPolicyServer(policy) as server:
+        client = ProcessClient(*server._endpoint.process_address())
+        hub = server._endpoint.lazy_hub.hub
+        client.call(TensorDict(observation=torch.zeros(8)))  # pickled: the hub offers a lane, its descriptor sent
+        client.call(TensorDict(observation=torch.ones(8)))  # in the lane: its first outputs bring a slot
+    assert children and os.waitpid(children[0], 0)[1] == 0
+
+
 def test_pickled_copies_are_separate_clients_and_close_their_connections_when_dropped():
     before = slot_mappings()
     policy = TensorDictModule(pw.make_net(), in_keys=["observation"], out_keys=["logits"])

@@ -84,9 +84,10 @@ class Connection:
             while outbox and self.alive:
                 data, fds = outbox[0]
                 sent = self.wire.send_some(data, fds)
-                if sent:
-                    close_all(fds)  # they went with the first byte
+                if sent:  # they went with the first byte: out of the outbox first, so a fork meanwhile gives a
+                    taken = fds[:]  # child none to close again (by then another file's number)
                     fds.clear()
+                    close_all(taken)
                 if sent < len(data):
                     outbox[0] = (data[sent:], fds)
                     return False
