@@ -741,6 +741,9 @@ def test_worker_processes_of_a_collector_on_an_actor_node_reach_the_server_throu
             sync=True,
             remote_configs=[{"num_cpus": 0, "resources": NODE_A}],
         )
+        # before iterating: the iterator shuts the collector down at its end, and lists no remote collector then
+        pids = ray.get([c.__ray_call__.remote(lambda self: os.getpid()) for c in collector.remote_collectors])
+        assert len(pids) == 1
         try:
             for i, batch in enumerate(collector):
                 batch = batch.reshape(-1)
@@ -753,7 +756,6 @@ def test_worker_processes_of_a_collector_on_an_actor_node_reach_the_server_throu
                 collector.update_policy_weights_(trainer)
                 weights = TensorDict.from_module(trainer).data.clone()
         finally:
-            pids = ray.get([c.__ray_call__.remote(lambda self: os.getpid()) for c in collector.remote_collectors])
             collector.shutdown()
             ended_or_killed(pids)
         assert i == 1
