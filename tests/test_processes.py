@@ -385,6 +385,7 @@ def test_closing_the_server_fails_waiting_workers_promptly():
     started, results = SPAWN.Event(), SPAWN.Queue()
     worker = SPAWN.Process(target=pw.call_until_told, args=(remote, started, results))
     worker.start()
+    assert started.wait(120)  # a spawned child imports torch first: slow on a busy host
     wait_for(lambda: server.statistics().requests == 0 and server._queue._items, "the worker's request to queue")
     t = time.monotonic()
     server.close(wait=False, cancel_pending=True)
