@@ -177,10 +177,11 @@ def trainer_then_hang(port: int, world: int, pushed: Any) -> None:
         time.sleep(3600)
 
 
-def join_weight_group_then_hang(port: int, world: int, joined: Any) -> None:
-    """A server process that joins the weight group, then waits to be killed."""
+def join_weight_group_then_hang(port: int, world: int, joining: Any, joined: Any) -> None:
+    """A server process that joins the weight group (``joining`` set as it starts to), then waits to be killed."""
     policy = TensorDictModule(make_net(0), in_keys=["observation"], out_keys=["logits"])
     server = BatchedPolicyServer(policy).start()
+    joining.set()
     server.receive_weights("127.0.0.1", port, 1, world, timeout=30)
     joined.set()
     while True:

@@ -291,7 +291,7 @@ def test_a_worker_exits_while_the_server_still_holds_a_request_it_cancelled(mode
         worker = SPAWN.Process(target=pw.cancel_when_held, args=args)
         worker.start()
         try:
-            assert module.entered.wait(30)  # the request is in the forward the server holds
+            assert module.entered.wait(120)  # the request is in the forward the server holds
             held.set()
             assert report(results, [worker]) == "cancelled"
             worker.join(30)
@@ -385,8 +385,8 @@ def test_closing_the_server_fails_waiting_workers_promptly():
     started, results = SPAWN.Event(), SPAWN.Queue()
     worker = SPAWN.Process(target=pw.call_until_told, args=(remote, started, results))
     worker.start()
-    assert started.wait(120)  # a spawned child imports torch first: slow on a busy host
-    wait_for(lambda: server.statistics().requests == 0 and server._queue._items, "the worker's request to queue")
+    assert started.wait(120)  # a spawned child imports torch first: slow on a busy host, as is its first call
+    wait_for(lambda: server.statistics().requests == 0 and server._queue._items, "the worker's request to queue", 120)
     t = time.monotonic()
     server.close(wait=False, cancel_pending=True)
     kind, message = report(results, [worker], timeout=30)
@@ -1430,9 +1430,10 @@ def test_a_server_dropped_without_close_leaves_its_weight_group_so_the_trainers_
 def test_a_push_to_a_dead_server_fails_instead_of_hanging():
     from torchrl_batchserve import WeightBroadcaster
 
-    port, joined = free_port(), SPAWN.Event()
-    host = SPAWN.Process(target=pw.join_weight_group_then_hang, args=(port, 2, joined))
+    port, joining, joined = free_port(), SPAWN.Event(), SPAWN.Event()
+    host = SPAWN.Process(target=pw.join_weight_group_then_hang, args=(port, 2, joining, joined))
     host.start()
+    assert joining.wait(120)  # the group's 10 s start now, not while the spawned host imports torch
     trainer = WeightBroadcaster("127.0.0.1", port, 2, timeout=10)
     assert joined.wait(60)
     pw.kill(host.pid)
