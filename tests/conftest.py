@@ -101,6 +101,7 @@ class GatedPolicy(TensorDictModuleBase):
         self.batches.append(td.batch_size[0])
         if len(self.batches) <= self._block_first:
             self.entered.set()
-            assert self.gate.wait(30), "test never opened the gate"
+            # 90 s: a test may wait this long for a spawned child, which can take a minute to start on a busy host
+            assert self.gate.wait(90), "test never opened the gate"
         td.set("logits", self.net(td.get("observation")))
         return td

@@ -99,13 +99,13 @@ def cancel_when_held(remote: Any, mode: str, first_call: bool, held: Any, result
     td = TensorDict(observation=torch.ones(8))
     if mode == "submit":
         future = remote.submit(td)
-        assert held.wait(30)
+        assert held.wait(90)
         assert future.cancel()
     else:
 
         async def cancelled() -> None:
             task = asyncio.ensure_future(remote.acall(td))
-            assert await asyncio.to_thread(held.wait, 30)
+            assert await asyncio.to_thread(held.wait, 90)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
