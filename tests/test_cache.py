@@ -35,6 +35,22 @@ def test_hit_returns_exactly_what_the_forward_returns(policy, net):
     assert (stats.cache_hits, stats.cache_misses, stats.requests) == (1, 1, 1)  # the hit never entered a batch
 
 
+def test_a_result_is_its_callers_own_writing_into_it_changes_no_later_hit(policy, net):
+    with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
+        remote = server.remote_policy()
+        results = [
+            remote(obs(0)),  # computed and stored
+            remote(obs(0)),  # a hit
+            remote(TensorDict(observation=torch.stack([obs(0)["observation"]] * 2), batch_size=[2])),  # a hit
+        ]
+        for result in results:
+            result["logits"].fill_(float("nan"))  # a caller may write into its result
+        again = remote(obs(0))
+        assert server.statistics().cache_hits == 3
+    with torch.no_grad():
+        assert torch.equal(again["logits"], net(obs(0)["observation"]))
+
+
 def test_a_hit_in_inference_mode_is_a_normal_tensor_as_a_computed_result_is(policy):
     with BatchedPolicyServer(policy, cache=EvaluationCache()) as server:
         remote = server.remote_policy()
@@ -101,6 +117,24 @@ def test_identical_in_flight_rows_reach_the_policy_once():
     assert all(torch.equal(o["logits"], outs[0]["logits"]) for o in outs)
     assert len({o["logits"].data_ptr() for o in outs}) == k
     assert (stats.cache_coalesced, stats.cache_misses, stats.cache_hits) == (k - 1, 3, 0)
+
+
+def test_a_row_admitted_after_a_weight_update_never_joins_one_computed_before_it():
+    gated = GatedPolicy(make_mlp())
+    new = make_mlp(seed=1)
+    with BatchedPolicyServer(gated, cache=EvaluationCache(), timeout=1e6) as server:
+        remote = server.remote_policy()
+        before = remote.submit(obs(7))
+        assert gated.entered.wait(10)  # in the forward, with version 0
+        assert server.update_weights(GatedPolicy(new)) == 1
+        after = remote.submit(obs(7))  # the same row, admitted when version 1 is the newest
+        gated.gate.set()
+        first, second = before.result(10), after.result(10)
+        stats = server.statistics()
+    assert int(first["policy_version"]) == 0 and int(second["policy_version"]) == 1
+    with torch.no_grad():
+        assert torch.equal(second["logits"], new(obs(7)["observation"]))
+    assert (stats.cache_coalesced, stats.cache_misses) == (0, 2)
 
 
 def test_blocking_threads_on_one_row_all_get_it(net):

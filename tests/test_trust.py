@@ -39,6 +39,17 @@ class BiasHead(torch.nn.Module):
         return self.bias.expand(observation.shape[0], 3)
 
 
+class TableHead(torch.nn.Module):
+    """A value head that returns its parameter detached: an alias of it that is not a view (no ``_base``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(4, 3))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.bias.detach()  # a request of 4 rows
+
+
 class BufferPolicy(TensorDictModuleBase):
     """Writes its output into one persistent buffer at every call, as a CUDA-graph replay does."""
 
@@ -64,16 +75,18 @@ class SameObjectPolicy(BufferPolicy):
         return td
 
 
-def test_a_result_that_views_a_parameter_keeps_its_values_after_update_weights():
-    policy = TensorDictModule(BiasHead(), in_keys=["observation"], out_keys=["value"])
+@pytest.mark.parametrize("head, rows", [(BiasHead, ()), (TableHead, (4,))], ids=["view", "alias"])
+def test_a_result_that_views_a_parameter_keeps_its_values_after_update_weights(head, rows):
+    policy = TensorDictModule(head(), in_keys=["observation"], out_keys=["value"])
+    shape = policy.module.bias.shape
     with BatchedPolicyServer(policy) as server:
         remote = server.remote_policy()
-        first = remote(obs())
-        assert first["value"].tolist() == [0.0, 0.0, 0.0]
-        server.update_weights({"module.bias": torch.ones(3)})
-        second = remote(obs())
-    assert first["value"].tolist() == [0.0, 0.0, 0.0]  # unchanged by the update
-    assert second["value"].tolist() == [1.0, 1.0, 1.0] and int(second["policy_version"]) == 1
+        first = remote(obs(*rows))
+        assert torch.equal(first["value"], torch.zeros(*rows, 3))
+        server.update_weights({"module.bias": torch.ones(shape)})
+        second = remote(obs(*rows))
+    assert torch.equal(first["value"], torch.zeros(*rows, 3))  # unchanged by the update
+    assert torch.equal(second["value"], torch.ones(*rows, 3)) and bool((second["policy_version"] == 1).all())
 
 
 @pytest.mark.parametrize("kind", [BufferPolicy, SameObjectPolicy])
