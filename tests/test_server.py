@@ -1251,6 +1251,25 @@ def test_statistics_is_a_frozen_snapshot(policy):
     assert "requests=5" in stats.summary()
 
 
+def test_statistics_percentiles_tell_a_held_forward_and_its_queued_request_from_the_typical_ones():
+    gated = GatedPolicy(make_mlp())
+    hold = 0.5
+    with BatchedPolicyServer(gated) as server:
+        remote = server.remote_policy()
+        held = remote.submit(obs())
+        assert gated.entered.wait(10)
+        queued = remote.submit(obs())  # waits in the queue while the forward is held
+        time.sleep(hold)  # how long the forward is held: a lower bound on its time and on the queued wait
+        gated.gate.set()
+        held.result(10), queued.result(10)
+        for _ in range(98):
+            remote(obs())
+        stats = server.statistics()
+    assert (stats.requests, stats.batches) == (100, 100)
+    assert stats.forward_p99 >= hold > stats.forward_p50  # 1 of 100 samples: the 99th percentile is the slowest
+    assert stats.queue_wait_p99 >= hold > stats.queue_wait_p50
+
+
 def test_update_weights_stamps_new_version_on_results(policy, net):
     with BatchedPolicyServer(policy) as server:
         remote = server.remote_policy()
