@@ -378,6 +378,30 @@ def test_a_policy_that_raises_mid_search_ends_it_with_a_typed_error(searchers):
     assert search.run(tree, 5) is not None  # the tree and the search still work: later calls succeed
 
 
+def test_after_a_failed_evaluation_the_other_searchers_finish_their_walks_in_flight_and_claim_no_more():
+    # On one event loop the order is fixed: the failed task stops the run before any other task resumes.
+    env = TicTacToeEnv()
+    policy = Counting(make_policy(), fail_at=10)
+    searchers = 8
+
+    class Async:
+        in_keys = policy.in_keys
+
+        async def acall(self, td):
+            await asyncio.sleep(0)  # every task's request is in flight together
+            return policy(td)
+
+        def __call__(self, td):
+            return policy(td)
+
+    search = TreeSearch(env, Async(), searchers=searchers)
+    tree = search.tree(env.reset())
+    with pytest.raises(SearchError):
+        asyncio.run(search.arun(tree, 500))
+    assert policy.calls <= 10 + searchers - 1  # the failed call, and one in flight for each other task
+    assert_consistent(tree.root, tree.root.total)
+
+
 class Diverged(torch.nn.Module):
     """``Net``, but from its ``after``-th call on, the last row's logits (``"logits"``) or value (``"value"``) is nan."""
 
