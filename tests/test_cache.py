@@ -12,7 +12,13 @@ from tensordict import TensorDict
 from tensordict.nn import InteractionType, TensorDictModule, set_interaction_type
 from tensordict.nn.probabilistic import interaction_type
 
-from torchrl_batchserve import BadRequestError, BatchedPolicyServer, EvaluationCache, ServerClosedError
+from torchrl_batchserve import (
+    BadRequestError,
+    BatchedPolicyServer,
+    EvaluationCache,
+    QueueFullError,
+    ServerClosedError,
+)
 
 
 def obs(seed: int, *batch: int) -> TensorDict:
@@ -497,6 +503,44 @@ def test_followers_share_their_leaders_failure_and_close(net):
     gated.gate.set()
     first.result(10)
     assert server.close(timeout=10)
+
+
+def test_a_row_that_joined_a_request_the_queue_then_refused_fails_with_it(net):
+    # A follower joins its leader between the cache's admission and the queue: the leader's refusal is its own.
+    gated = GatedPolicy(net)
+    with BatchedPolicyServer(gated, cache=EvaluationCache(), max_queue_size=1, timeout=1e6) as server:
+        remote = server.remote_policy()
+        first = remote.submit(obs(100))
+        assert gated.entered.wait(10)
+        queued = remote.submit(obs(101))  # the queue is full
+        queue, admitted, go, refused = server._queue, threading.Event(), threading.Event(), []
+        put = queue.put
+
+        def paused_put(request, may_serve=None):
+            if threading.current_thread().name == "leader":
+                admitted.set()  # admitted by the cache as the row's leader, not queued yet
+                assert go.wait(10)
+            return put(request, may_serve)
+
+        def lead() -> None:
+            try:
+                remote.submit(obs(7))
+            except QueueFullError as err:
+                refused.append(err)
+
+        queue.put = paused_put
+        leader = threading.Thread(target=lead, name="leader")
+        leader.start()
+        assert admitted.wait(10)
+        follower = remote.submit(obs(7))  # joins the leader: the cache coalesces it
+        go.set()
+        leader.join(10)
+        assert len(refused) == 1
+        with pytest.raises(QueueFullError):
+            follower.result(10)
+        gated.gate.set()
+        first.result(10), queued.result(10)
+        assert server.statistics().cache_coalesced == 1
 
 
 def test_cache_arguments_are_checked(policy):
