@@ -557,6 +557,25 @@ def test_forwards_of_two_interaction_types_never_run_at_once(where):
     assert probe.seen == [(InteractionType.RANDOM,) * 2, (InteractionType.DETERMINISTIC,) * 2]
 
 
+def test_once_a_forward_of_another_type_waits_new_forwards_of_the_running_type_wait_too():
+    # Joining the run, a stream of RANDOM forwards (other servers, other replicas) could starve the other type.
+    probe = ModeProbe()
+    kwargs = {"max_batch_size": 1, "policy_version_key": None}
+    with contextlib.ExitStack() as stack:
+        first, second, third = (stack.enter_context(BatchedPolicyServer(probe, **kwargs)) for _ in range(3))
+        held = first.submit(obs(), interaction=RANDOM)
+        assert probe.random_entered.wait(10)
+        other = second.submit(obs(), interaction=InteractionType.DETERMINISTIC)
+        wait_for(lambda: GATE._waiting == 1, "the DETERMINISTIC forward to wait for the RANDOM run")
+        late = third.submit(obs(), interaction=RANDOM)
+        wait_for(lambda: GATE._waiting == 2 or len(probe.started) == 2, "the late RANDOM forward to wait or start")
+        assert probe.started == [RANDOM]  # it waits, though the run is of its type
+        probe.go.set()
+        held.result(10), other.result(10), late.result(10)
+    deterministic = (InteractionType.DETERMINISTIC,) * 2
+    assert sorted(probe.seen, key=str) == sorted([(RANDOM, RANDOM)] * 2 + [deterministic], key=str)
+
+
 def test_a_server_whose_forward_times_out_holds_up_no_other_servers_forwards():
     probe = ModeProbe()
     broken = BatchedPolicyServer(probe, max_batch_size=1, forward_timeout=0.2, policy_version_key=None)
